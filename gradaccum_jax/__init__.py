@@ -1,0 +1,24 @@
+"""gradaccum_jax: exact, fast gradient accumulation for JAX and optax."""
+
+import importlib.metadata
+
+from gradaccum_jax._accumulate import AccumulateState as AccumulateState
+from gradaccum_jax._accumulate import accumulate as accumulate
+from gradaccum_jax._accumulate import has_updated as has_updated
+from gradaccum_jax._microbatch import microbatch as microbatch
+from gradaccum_jax._microbatch import value_and_grad as value_and_grad
+from gradaccum_jax._train_step import train_step as train_step
+
+try:
+  __version__ = importlib.metadata.version("gradaccum_jax")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree
+  __version__ = "0.0.0+unknown"
+
+__all__ = (
+    "AccumulateState",
+    "accumulate",
+    "has_updated",
+    "microbatch",
+    "train_step",
+    "value_and_grad",
+)

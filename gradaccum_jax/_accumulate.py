@@ -1,0 +1,374 @@
+"""The accumulation transformation: ``accumulate`` and its state."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Params = optax.Params
+Updates = optax.Updates
+OptState = optax.OptState
+
+# An int, or a schedule ``count -> int`` (``count``: windows closed so far).
+NumMicrobatches = int | Callable[[jax.Array], Any]
+
+
+class AccumulateState(NamedTuple):
+  """State of :func:`accumulate`.
+
+  Attributes:
+    micro_step: micro-batches accumulated in the open window (int32).
+    count: windows closed so far, applied or voided (int32).
+    num_skipped: windows voided because their gradient was not finite or
+      their total weight was zero (int32). ``count - num_skipped`` windows
+      moved the parameters.
+    updated: whether the last call closed a window and moved the parameters
+      (bool). Read it with :func:`has_updated`.
+    acc_grads: the weighted sum ``sum_i w_i g_i`` of the open window, in
+      ``accum_dtype``, with the structure of the parameters.
+    acc_weight: the summed weight ``sum_i w_i`` of the open window (float32).
+    inner_state: the state of the inner optimizer, which only changes when a
+      window is applied.
+  """
+
+  micro_step: jax.Array
+  count: jax.Array
+  num_skipped: jax.Array
+  updated: jax.Array
+  acc_grads: Updates
+  acc_weight: jax.Array
+  inner_state: OptState
+
+
+def has_updated(state: AccumulateState) -> jax.Array:
+  """Whether the call that returned ``state`` closed a window and moved params.
+
+  False on micro-steps inside a window and on windows voided for non-finite
+  gradients or zero total weight.
+
+  Args:
+    state: an :class:`AccumulateState`.
+
+  Returns:
+    A boolean scalar array.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.accumulate(optax.sgd(0.1), num_microbatches=2)
+    >>> params = jnp.zeros(3)
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(jnp.ones(3), state, params)
+    >>> bool(ga.has_updated(state))
+    False
+    >>> _, state = tx.update(jnp.ones(3), state, params)
+    >>> bool(ga.has_updated(state))
+    True
+  """
+  if not isinstance(state, AccumulateState):
+    raise TypeError(
+        f"has_updated expects an AccumulateState, got {type(state).__name__}."
+        " Pass the state returned by ga.accumulate(...).init/update, not the"
+        " inner optimizer's state."
+    )
+  return state.updated
+
+
+def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> NumMicrobatches:
+  """Validates ``num_microbatches``: a positive int (or a schedule)."""
+  if callable(num_microbatches) and not isinstance(num_microbatches, type):
+    if allow_schedule:
+      return num_microbatches
+    raise TypeError(
+        f"{num_microbatches=} is a schedule; the fused train_step needs a"
+        " fixed int number of micro-batches per window. Pass an int to"
+        " ga.accumulate, or drive a schedule with tx.update (streaming mode)."
+    )
+  if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
+    raise TypeError(
+        f"{num_microbatches=} must be a positive int (the number of"
+        " micro-batches per optimizer step)."
+    )
+  k = operator.index(num_microbatches)
+  if k <= 0:
+    raise ValueError(f"{num_microbatches=} must be a positive int, got {k}.")
+  return k
+
+
+def _tree_all_finite(tree: Any) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+
+def check_same_structure(grads: Any, reference: Any, what: str) -> None:
+  """Raises ValueError unless ``grads`` has the structure and shapes of ``reference``."""
+  gdef, rdef = jax.tree.structure(grads), jax.tree.structure(reference)
+  if gdef != rdef:
+    raise ValueError(
+        f"The {what} do not match the structure of the parameters that"
+        f" tx.init was called with.\n  {what}: {gdef}\n  params: {rdef}\nPass"
+        " gradients with exactly the structure of the params (for equinox, filter"
+        " both with the same eqx.filter)."
+    )
+  for (path, g), r in zip(
+      jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
+  ):
+    if jnp.shape(g) != jnp.shape(r):
+      raise ValueError(
+          f"The {what} leaf at {jax.tree_util.keystr(path)} has shape"
+          f" {jnp.shape(g)}, but the parameter has shape {jnp.shape(r)}."
+      )
+
+
+def weighted_add(acc: Any, tree: Any, weight: jax.Array | None) -> Any:
+  """``acc + w * tree`` leafwise in ``acc``'s dtypes; a zero weight adds exactly 0.
+
+  ``weight=None`` means 1 and costs no multiply. With a weight, the guard is a
+  select, so a micro-batch of weight 0 whose values are NaN (a 0/0 mean loss)
+  contributes nothing.
+  """
+  if weight is None:
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
+  return jax.tree.map(
+      lambda a, x: a + jnp.where(weight > 0, x.astype(a.dtype) * weight.astype(a.dtype), 0),
+      acc,
+      tree,
+  )
+
+
+def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
+  """Zeros shaped like ``params``, in ``accum_dtype`` (the params' dtypes if None)."""
+  return jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p) if accum_dtype is None else accum_dtype),
+      params,
+  )
+
+
+def check_weight(weight: Any, what: str = "weight") -> jax.Array:
+  """A scalar float32 weight, or ValueError naming the shape that was given."""
+  shape = jnp.shape(weight)
+  if shape != ():
+    raise ValueError(
+        f"{what} must be a scalar (the number of examples or tokens in the"
+        f" micro-batch), got an array of shape {shape}. Reduce it, e.g. to"
+        " mask.sum()."
+    )
+  return jnp.asarray(weight, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Accumulator:
+  """Settings of one ``accumulate`` transformation; ``init``/``update`` are its methods."""
+
+  inner: optax.GradientTransformationExtraArgs
+  num_microbatches: NumMicrobatches
+  accum_dtype: Any
+  skip_nonfinite: bool
+
+  def init(self, params: Params) -> AccumulateState:
+    return AccumulateState(
+        micro_step=jnp.zeros((), jnp.int32),
+        count=jnp.zeros((), jnp.int32),
+        num_skipped=jnp.zeros((), jnp.int32),
+        updated=jnp.zeros((), bool),
+        acc_grads=zeros_accumulator(params, self.accum_dtype),
+        acc_weight=jnp.zeros((), jnp.float32),
+        inner_state=self.inner.init(params),
+    )
+
+  def window_size(self, count: jax.Array) -> jax.Array | int:
+    k = self.num_microbatches
+    if isinstance(k, int):
+      return k
+    return jnp.maximum(jnp.asarray(k(count), jnp.int32), 1)
+
+  def close(
+      self,
+      acc_grads: Updates,
+      acc_weight: jax.Array,
+      state: AccumulateState,
+      params: Params | None,
+      grad_like: Updates,
+      extra_args: dict[str, Any],
+  ) -> tuple[Updates, AccumulateState]:
+    """Closes a window: one inner update on ``acc_grads / acc_weight``.
+
+    Returns the updates and the new state. A window with zero total weight, or a non-finite mean
+    gradient when ``skip_nonfinite``, is voided: zero updates, inner state
+    kept. The selection is a ``jnp.where``, not a ``lax.cond``, so the inner
+    optimizer runs exactly once and XLA keeps one copy of its state.
+    """
+    nonempty = acc_weight > 0
+    denom = jnp.where(nonempty, acc_weight, 1.0)
+    mean = jax.tree.map(lambda a, g: (a / denom).astype(g.dtype), acc_grads, grad_like)
+    updates, inner_state = self.inner.update(mean, state.inner_state, params, **extra_args)
+    ok = nonempty
+    if self.skip_nonfinite:
+      ok = ok & _tree_all_finite(mean)
+    updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+    inner_state = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
+    )
+    new_state = AccumulateState(
+        micro_step=jnp.zeros((), jnp.int32),
+        count=optax.safe_increment(state.count),
+        num_skipped=jnp.where(ok, state.num_skipped, optax.safe_increment(state.num_skipped)),
+        updated=ok,
+        acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
+        acc_weight=jnp.zeros((), jnp.float32),
+        inner_state=inner_state,
+    )
+    return updates, new_state
+
+  def update(
+      self,
+      grads: Updates,
+      state: AccumulateState,
+      params: Params | None = None,
+      *,
+      weight: Any = None,
+      **extra_args: Any,
+  ) -> tuple[Updates, AccumulateState]:
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+          f"state must be the AccumulateState from tx.init, got {type(state).__name__}."
+      )
+    check_same_structure(grads, state.acc_grads, "grads")
+    w = None if weight is None else check_weight(weight)
+    acc = weighted_add(state.acc_grads, grads, w)
+    acc_weight = state.acc_weight + (1.0 if w is None else jnp.where(w > 0, w, 0.0))
+    micro_step = optax.safe_increment(state.micro_step)
+    grad_like = grads if params is None else params
+
+    def close(operands):
+      acc, acc_weight, state = operands
+      return self.close(acc, acc_weight, state, params, grad_like, extra_args)
+
+    k = self.num_microbatches
+    if isinstance(k, int) and k == 1:
+      return close((acc, acc_weight, state))
+
+    updates_shape = jax.eval_shape(close, (acc, acc_weight, state))[0]
+
+    def hold(operands):
+      acc, acc_weight, state = operands
+      updates = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
+      return updates, state._replace(
+          micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
+      )
+
+    emit = micro_step >= self.window_size(state.count)
+    return jax.lax.cond(emit, close, hold, (acc, acc_weight, state))
+
+
+def accumulate(
+    inner: optax.GradientTransformation,
+    num_microbatches: NumMicrobatches,
+    *,
+    accum_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
+
+  Each call to ``update`` adds one micro-batch gradient ``g_i`` with weight
+  ``w_i`` (1 by default, or the ``weight=`` keyword, e.g. the number of
+  tokens in the micro-batch) to an accumulator. The ``k``-th call closes the
+  window: ``inner`` is applied once to the weighted mean
+
+  .. math::
+    G = \frac{\sum_i w_i g_i}{\sum_i w_i},
+
+  cast to the parameters' dtype, and its updates are returned; the other
+  calls return zero updates. For a mean loss this is exactly the update of
+  one batch ``k`` times larger. The inner optimizer, its counters and its
+  schedules see one step per window, and it is evaluated once per window (a
+  ``lax.cond``), not on every micro-step and masked as in
+  ``optax.MultiSteps``.
+
+  Put everything that should see the accumulated gradient *inside*
+  ``inner`` (clipping, schedules via ``optax.inject_hyperparams``, weight
+  decay): a transformation chained after ``accumulate`` sees the zero
+  updates of every micro-step.
+
+  Args:
+    inner: the optimizer to apply once per window.
+    num_microbatches: micro-batches per window ``k``: a positive int, or (in
+      streaming mode only) a schedule ``count -> int`` of the number of
+      windows closed so far.
+    accum_dtype: dtype of the accumulator, float32 by default whatever the
+      gradients' dtype; ``None`` accumulates in the gradients' dtype.
+    skip_nonfinite: if True, a window whose mean gradient has a NaN or Inf
+      (from any of its micro-batches) is voided: zero updates, inner state
+      unchanged, ``num_skipped`` incremented. A window whose total weight is
+      zero is always voided.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulateState`. ``update(grads, state, params=None, *,
+    weight=None, **extra_args)`` forwards ``extra_args`` to ``inner``.
+
+  Raises:
+    TypeError, ValueError: for a ``num_microbatches`` that is not a positive
+      int or a schedule; in ``update``, for grads whose structure or shapes
+      differ from the params, or a non-scalar ``weight``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.accumulate(optax.sgd(1.0), num_microbatches=2)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for g in (jnp.array([1.0, 0.0]), jnp.array([3.0, 2.0])):
+    ...   updates, state = tx.update(g, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params  # -1.0 * mean of the two gradients
+    Array([-2., -1.], dtype=float32)
+    >>> int(state.count), int(state.micro_step)
+    (1, 0)
+
+    Token-weighted micro-batches give the token-level mean of the window:
+
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(jnp.array([1.0, 1.0]), state, weight=1.0)
+    >>> updates, state = tx.update(jnp.array([4.0, 4.0]), state, weight=3.0)
+    >>> updates  # -(1*1 + 3*4) / (1 + 3)
+    Array([-3.25, -3.25], dtype=float32)
+
+  References:
+    Goyal et al., `Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour
+    <https://arxiv.org/abs/1706.02677>`_, 2017.
+  """
+  k = check_num_microbatches(num_microbatches, allow_schedule=True)
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+        f"inner must be an optax.GradientTransformation, got {type(inner).__name__}."
+    )
+  if accum_dtype is not None:
+    accum_dtype = jnp.dtype(accum_dtype)
+  acc = _Accumulator(
+      inner=optax.with_extra_args_support(inner),
+      num_microbatches=k,
+      accum_dtype=accum_dtype,
+      skip_nonfinite=bool(skip_nonfinite),
+  )
+  return optax.GradientTransformationExtraArgs(acc.init, acc.update)
+
+
+def get_accumulator(tx: Any) -> _Accumulator:
+  """The settings behind a transformation made by :func:`accumulate`."""
+  owner = getattr(getattr(tx, "update", None), "__self__", None)
+  if not isinstance(owner, _Accumulator):
+    raise TypeError(
+        f"tx must be made by ga.accumulate(inner, num_microbatches), got"
+        f" {type(tx).__name__}. Wrap your optimizer: tx = ga.accumulate(optax.adam(1e-3), k);"
+        " put clipping and schedules inside `inner`."
+    )
+  return owner

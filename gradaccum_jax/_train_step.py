@@ -1,0 +1,114 @@
+"""The fused step: scan the micro-batches, then close the window once, in one jitted program."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from gradaccum_jax._accumulate import (
+    AccumulateState,
+    check_num_microbatches,
+    check_same_structure,
+    get_accumulator,
+)
+from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformationExtraArgs,
+    *,
+    has_aux: bool = False,
+    weight_fn: Callable[[Any], Any] | None = None,
+    donate: bool = False,
+    jit: bool = True,
+) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
+  r"""A jitted step that accumulates a whole window and updates the params once.
+
+  ``step(params, state, batch, rng=None)`` splits ``batch`` into the ``k``
+  micro-batches of ``tx = ga.accumulate(inner, k)`` (micro-batch ``i`` holds
+  rows ``i, i + k, ...``), scans their weighted gradients into the fp32
+  accumulator of ``state`` with :func:`value_and_grad`'s machinery, then
+  closes the window exactly as the ``k``-th streaming ``tx.update`` would: one
+  ``inner`` update on :math:`G = \sum_i w_i g_i / \sum_i w_i`. The whole
+  cycle is one XLA program, its peak memory that of one micro-batch plus the
+  accumulator. ``state`` is ``tx.init(params)``, the same type as in streaming
+  mode, so the two modes, checkpoints and resumption mix freely; micro-batches
+  already accumulated by streaming calls (a window left open) are included in
+  the window this step closes.
+
+  Args:
+    loss_fn: ``loss_fn(params, microbatch)`` or, when ``step`` gets ``rng=``,
+      ``loss_fn(params, microbatch, rng)``, returning the scalar mean loss over
+      the micro-batch, or ``(loss, aux)`` with ``has_aux``.
+    tx: a transformation made by :func:`accumulate` with an int
+      ``num_microbatches``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    weight_fn: ``weight_fn(microbatch) -> scalar`` weight (e.g. number of
+      non-padding tokens); ``None`` weighs micro-batches equally.
+    donate: donate ``params`` and ``state`` to the step, so XLA updates them in
+      place (halves their memory; the arrays passed in are then invalid).
+    jit: return the step jitted (default) or as a plain traceable function, to
+      be called inside your own ``jax.jit``, ``shard_map`` or ``lax.scan``.
+
+  Returns:
+    ``step(params, state, batch, rng=None) -> (params, state, metrics)``, where
+    ``metrics`` holds ``"loss"`` (weighted mean over the batch), ``"grad_norm"``
+    (global norm of the accumulated mean gradient, before ``inner``),
+    ``"weight"`` (total weight of the batch), ``"updated"`` (whether the params
+    moved; False for a voided window) and, with ``has_aux``, ``"aux"`` (float
+    leaves averaged with the weights, integer leaves summed).
+
+  Raises:
+    TypeError: if ``tx`` is not from :func:`accumulate`, or its
+      ``num_microbatches`` is a schedule.
+    ValueError: at the first call, for a batch whose size is not divisible by
+      ``k`` or whose leaves differ in leading dimension, or a ``state`` that
+      does not match ``params``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> def loss_fn(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> tx = ga.accumulate(optax.adam(1e-2), num_microbatches=4)
+    >>> step = ga.train_step(loss_fn, tx)
+    >>> params = jnp.zeros(3)
+    >>> state = tx.init(params)
+    >>> batch = {"x": jnp.ones((32, 3)), "y": jnp.ones(32)}
+    >>> params, state, metrics = step(params, state, batch)
+    >>> float(metrics["loss"]), int(state.count)
+    (1.0, 1)
+  """
+  acc = get_accumulator(tx)
+  k = check_num_microbatches(acc.num_microbatches, allow_schedule=False)
+  mg = MicrobatchedGrad(loss_fn, k, bool(has_aux), weight_fn)
+
+  def step(params, state, batch, rng=None):
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+          f"state must be tx.init(params) for the tx given to train_step (an"
+          f" AccumulateState), got {type(state).__name__}."
+      )
+    check_same_structure(params, state.acc_grads, "params")
+    sums = mg.sums(params, batch, rng, state.acc_grads)
+    weight = state.acc_weight + sums.weight
+    updates, new_state = acc.close(sums.grads, weight, state, params, params, {})
+    new_params = optax.apply_updates(params, updates)
+    loss, aux = mg.means(sums)
+    metrics = {
+        "loss": loss,
+        "grad_norm": safe_mean(optax.tree.norm(sums.grads), weight),
+        "weight": sums.weight,
+        "updated": new_state.updated,
+    }
+    if has_aux:
+      metrics["aux"] = aux
+    return new_params, new_state, metrics
+
+  if not jit:
+    return step
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
