@@ -103,8 +103,15 @@ class MicrobatchedGrad:
             f" {type(out).__name__}."
         )
       loss, aux = out
+    elif isinstance(out, tuple | list):
+      raise TypeError(
+          f"loss_fn returned a {type(out).__name__} of length {len(out)}; if it returns"
+          " (loss, aux), pass has_aux=True."
+      )
     else:
       loss, aux = out, None
+    if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
+      raise TypeError(f"loss_fn must return a scalar array, got {type(loss).__name__}.")
     if jnp.shape(loss) != ():
       hint = "" if self.has_aux else " If it returns (loss, aux), pass has_aux=True."
       raise ValueError(
