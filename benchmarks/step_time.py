@@ -80,7 +80,8 @@ class Config:
   warmup: int  # windows per method before timing (the first one compiles)
   mem_ks: tuple[int, ...]
   mem_b: int
-  mem_big_b: int  # used as well when mem_b gives ~0 temp bytes
+  mem_big_b: int  # used as well, for mem_big_ks, when mem_b gives ~0 temp bytes
+  mem_big_ks: tuple[int, ...]
 
 
 FULL = Config(
@@ -96,6 +97,7 @@ FULL = Config(
     mem_ks=(2, 8, 64),
     mem_b=256,
     mem_big_b=4096,
+    mem_big_ks=(2, 8, 64),
 )
 
 SMOKE = Config(
@@ -104,13 +106,14 @@ SMOKE = Config(
     main_bs=(4, 8),
     main_rounds=2,
     main_windows=1,
-    curve_bs=(4, 8),
+    curve_bs=(4,),
     curve_rounds=1,
     curve_windows=1,
     warmup=1,
     mem_ks=(2, 4),
     mem_b=8,
     mem_big_b=16,
+    mem_big_ks=(2,),
 )
 
 
@@ -208,24 +211,30 @@ def make_runners(
     names: Sequence[str], params0: Any, batch: Any, k: int, b: int
 ) -> dict[str, Runner]:
   mbs = jax.block_until_ready([ga.microbatch(batch, i, k) for i in range(k)])
+  dev = jax.tree.leaves(params0)[0].devices().pop()
+
+  def init(tx: optax.GradientTransformation) -> Any:
+    # Committed like the step's outputs, or the second call would compile again.
+    return jax.device_put(tx.init(params0), dev)
+
   runners: dict[str, Runner] = {}
   for name in names:
     if name == "plain":
       tx = adam()
-      runners[name] = Runner(jax.jit(plain_step_fn(tx)), params0, tx.init(params0), [batch])
+      runners[name] = Runner(jax.jit(plain_step_fn(tx)), params0, init(tx), [batch])
     elif name == "multisteps_loop":
       tx = optax.MultiSteps(adam(), every_k_schedule=k)
-      runners[name] = Runner(jax.jit(micro_step_fn(tx)), params0, tx.init(params0), mbs)
+      runners[name] = Runner(jax.jit(micro_step_fn(tx)), params0, init(tx), mbs)
     elif name == "optax_microbatch":
       tx = adam()
       step = jax.jit(optax_microbatch_step_fn(tx, b))
-      runners[name] = Runner(step, params0, tx.init(params0), [batch])
+      runners[name] = Runner(step, params0, init(tx), [batch])
     elif name == "ga_streaming":
       tx = ga.accumulate(adam(), k)
-      runners[name] = Runner(jax.jit(micro_step_fn(tx)), params0, tx.init(params0), mbs)
+      runners[name] = Runner(jax.jit(micro_step_fn(tx)), params0, init(tx), mbs)
     elif name == "ga_train_step":
       tx = ga.accumulate(adam(), k)
-      runners[name] = Runner(ga.train_step(loss_fn, tx), params0, tx.init(params0), [batch])
+      runners[name] = Runner(ga.train_step(loss_fn, tx), params0, init(tx), [batch])
     else:
       raise ValueError(name)
   return runners
@@ -316,17 +325,20 @@ def compile_stats(jitted: Any, *args: Any) -> dict[str, Any]:
   return out
 
 
-def memory_rows(cfg: Config, b: int, dev: jax.Device) -> list[dict[str, Any]]:
-  params = sds(jax.eval_shape(init_params, jax.random.key(SEED), cfg.layers), dev)
+def memory_rows(
+    cfg: Config, b: int, ks: Sequence[int], dev: jax.Device
+) -> list[dict[str, Any]]:
+  key = jax.random.key(SEED)
+  params = sds(jax.eval_shape(lambda: init_params(key, cfg.layers)), dev)
   acc_bytes = param_bytes(params)
   adam_state = sds(jax.eval_shape(adam().init, params), dev)
 
   def batch_sds(rows: int) -> Any:
-    return sds(jax.eval_shape(make_batch, jax.random.key(SEED), rows, cfg.layers), dev)
+    return sds(jax.eval_shape(lambda: make_batch(key, rows, cfg.layers)), dev)
 
   plain_mb = compile_stats(jax.jit(plain_step_fn(adam())), params, adam_state, batch_sds(b))
   rows = []
-  for k in cfg.mem_ks:
+  for k in ks:
     tx = ga.accumulate(adam(), k)
     ga_state = sds(jax.eval_shape(tx.init, params), dev)
     ms = optax.MultiSteps(adam(), every_k_schedule=k)
@@ -516,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     curve_runs.append(time_methods(CURVE_METHODS, cfg, b, cfg.curve_rounds, cfg.curve_windows, dev))
 
   print(f"memory/compile, b={cfg.mem_b} ...", flush=True)
-  mem = memory_rows(cfg, cfg.mem_b, dev)
+  mem = memory_rows(cfg, cfg.mem_b, cfg.mem_ks, dev)
   small = [r["programs"]["ga_train_step"]["temp_bytes"] or 0 for r in mem]
   print(
       f"  b={cfg.mem_b}: train_step temp bytes for k={list(cfg.mem_ks)}: {small}",
@@ -524,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   if min(small) < TEMP_MEANINGFUL_BYTES:
     print(f"  temp ~0 at b={cfg.mem_b}; adding b={cfg.mem_big_b} ...", flush=True)
-    mem += memory_rows(cfg, cfg.mem_big_b, dev)
+    mem += memory_rows(cfg, cfg.mem_big_b, cfg.mem_big_ks, dev)
 
   total_s = time.perf_counter() - t_start
   model = "-".join(map(str, cfg.layers))

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from gradaccum_jax._accumulate import (
     check_num_microbatches,

@@ -1,0 +1,25 @@
+"""The package surface and the demo."""
+
+import importlib.resources
+
+import gradaccum_jax as ga
+from gradaccum_jax.__main__ import main
+
+
+def test_public_names_are_reexported():
+  assert sorted(ga.__all__) == sorted(
+      ["AccumulateState", "accumulate", "has_updated", "microbatch", "train_step", "value_and_grad"]
+  )
+  for name in ga.__all__:
+    obj = getattr(ga, name)
+    assert obj.__module__.startswith("gradaccum_jax._"), name
+    assert obj.__doc__, name
+  assert isinstance(ga.__version__, str) and ga.__version__
+  assert importlib.resources.files("gradaccum_jax").joinpath("py.typed").is_file()
+
+
+def test_demo_runs_and_agrees(capsys):
+  assert main(["--steps", "3", "--k", "4", "--microbatch-size", "8", "--hidden", "32"]) == 0
+  out = capsys.readouterr().out
+  assert "| plain batch of 32 |" in out and "| ga.train_step 4 x 8 |" in out
+  assert "the runs agree" in out
