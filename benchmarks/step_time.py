@@ -82,38 +82,41 @@ class Config:
   mem_b: int
   mem_big_b: int  # used as well, for mem_big_ks, when mem_b gives ~0 temp bytes
   mem_big_ks: tuple[int, ...]
+  compile_reps: int  # compile each program this many times, report the fastest
 
 
 FULL = Config(
-    layers=(784, 512, 512, 10),
-    k=8,
-    main_bs=(32, 256),
-    main_rounds=7,
-    main_windows=3,
-    curve_bs=(8, 16, 32, 64, 128, 256),
-    curve_rounds=4,
-    curve_windows=3,
-    warmup=2,
-    mem_ks=(2, 8, 64),
-    mem_b=256,
-    mem_big_b=4096,
-    mem_big_ks=(2, 8, 64),
+  layers=(784, 512, 512, 10),
+  k=8,
+  main_bs=(32, 256),
+  main_rounds=10,
+  main_windows=3,
+  curve_bs=(8, 16, 32, 64, 128, 256),
+  curve_rounds=5,
+  curve_windows=3,
+  warmup=2,
+  mem_ks=(2, 8, 64),
+  mem_b=256,
+  mem_big_b=4096,
+  mem_big_ks=(2, 8, 64),
+  compile_reps=2,
 )
 
 SMOKE = Config(
-    layers=(16, 32, 32, 4),
-    k=4,
-    main_bs=(4, 8),
-    main_rounds=2,
-    main_windows=1,
-    curve_bs=(4,),
-    curve_rounds=1,
-    curve_windows=1,
-    warmup=1,
-    mem_ks=(2, 4),
-    mem_b=8,
-    mem_big_b=16,
-    mem_big_ks=(2,),
+  layers=(16, 32, 32, 4),
+  k=4,
+  main_bs=(4, 8),
+  main_rounds=2,
+  main_windows=1,
+  curve_bs=(4,),
+  curve_rounds=1,
+  curve_windows=1,
+  warmup=1,
+  mem_ks=(2, 4),
+  mem_b=8,
+  mem_big_b=16,
+  mem_big_ks=(2,),
+  compile_reps=1,
 )
 
 
@@ -123,7 +126,7 @@ SMOKE = Config(
 def init_params(key: jax.Array, layers: Sequence[int]) -> list[dict[str, jax.Array]]:
   params = []
   for key_i, (n_in, n_out) in zip(
-      jax.random.split(key, len(layers) - 1), zip(layers[:-1], layers[1:], strict=True), strict=True
+    jax.random.split(key, len(layers) - 1), zip(layers[:-1], layers[1:], strict=True), strict=True
   ):
     w = jax.random.normal(key_i, (n_in, n_out), jnp.float32) * jnp.sqrt(2.0 / n_in)
     params.append({"w": w, "b": jnp.zeros((n_out,), jnp.float32)})
@@ -142,8 +145,8 @@ def loss_fn(params: list[dict[str, jax.Array]], batch: dict[str, jax.Array]) -> 
 def make_batch(key: jax.Array, size: int, layers: Sequence[int]) -> dict[str, jax.Array]:
   kx, ky = jax.random.split(key)
   return {
-      "x": jax.random.normal(kx, (size, layers[0]), jnp.float32),
-      "y": jax.random.randint(ky, (size,), 0, layers[-1], jnp.int32),
+    "x": jax.random.normal(kx, (size, layers[0]), jnp.float32),
+    "y": jax.random.randint(ky, (size,), 0, layers[-1], jnp.int32),
   }
 
 
@@ -172,10 +175,10 @@ def micro_step_fn(tx: optax.GradientTransformation) -> Callable[..., Any]:
 
 def optax_microbatch_step_fn(tx: optax.GradientTransformation, b: int) -> Callable[..., Any]:
   vg = optax.microbatching.microbatch(
-      jax.value_and_grad(loss_fn),
-      argnums=1,
-      microbatch_size=b,
-      accumulator=optax.microbatching.AccumulationType.MEAN,
+    jax.value_and_grad(loss_fn),
+    argnums=1,
+    microbatch_size=b,
+    accumulator=optax.microbatching.AccumulationType.MEAN,
   )
 
   def step(params, opt_state, batch):
@@ -208,7 +211,7 @@ class Runner:
 
 
 def make_runners(
-    names: Sequence[str], params0: Any, batch: Any, k: int, b: int
+  names: Sequence[str], params0: Any, batch: Any, k: int, b: int
 ) -> dict[str, Runner]:
   mbs = jax.block_until_ready([ga.microbatch(batch, i, k) for i in range(k)])
   dev = jax.tree.leaves(params0)[0].devices().pop()
@@ -242,7 +245,8 @@ def make_runners(
 
 def max_abs_diff(a: Any, b: Any) -> float:
   return max(
-      float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    float(jnp.max(jnp.abs(x - y)))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   )
 
 
@@ -250,22 +254,22 @@ def summarize(samples_s: list[float]) -> dict[str, Any]:
   ms = sorted(1e3 * s for s in samples_s)
   q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
   return {
-      "median_ms": statistics.median(ms),
-      "p25_ms": q[0],
-      "p75_ms": q[2],
-      "min_ms": ms[0],
-      "n": len(ms),
-      "samples_ms": [1e3 * s for s in samples_s],
+    "median_ms": statistics.median(ms),
+    "p25_ms": q[0],
+    "p75_ms": q[2],
+    "min_ms": ms[0],
+    "n": len(ms),
+    "samples_ms": [1e3 * s for s in samples_s],
   }
 
 
 def time_methods(
-    names: Sequence[str],
-    cfg: Config,
-    b: int,
-    rounds: int,
-    windows: int,
-    dev: jax.Device,
+  names: Sequence[str],
+  cfg: Config,
+  b: int,
+  rounds: int,
+  windows: int,
+  dev: jax.Device,
 ) -> dict[str, Any]:
   """Interleaved timing of ``names`` at micro-batch size ``b``; returns per-method stats."""
   k = cfg.k
@@ -309,15 +313,27 @@ def sds(tree: Any, dev: jax.Device) -> Any:
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
 
 
-def compile_stats(jitted: Any, *args: Any) -> dict[str, Any]:
-  """Lower + compile on abstract args (nothing runs); times and memory_analysis bytes."""
-  jax.clear_caches()
-  t0 = time.perf_counter()
-  lowered = jitted.lower(*args)
-  t1 = time.perf_counter()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
-  out: dict[str, Any] = {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+def compile_stats(jitted: Any, *args: Any, reps: int = 1) -> dict[str, Any]:
+  """Lower + compile on abstract args (nothing runs), ``reps`` times from cleared caches.
+
+  Returns the fastest lower/compile seconds, all of them, and memory_analysis bytes.
+  """
+  times = []
+  for _ in range(reps):
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    times.append((t1 - t0, t2 - t1))
+  lower_s, compile_s = min(t[0] for t in times), min(t[1] for t in times)
+  out: dict[str, Any] = {
+    "lower_s": lower_s,
+    "compile_s": compile_s,
+    "total_s": min(a + b for a, b in times),
+    "all_lower_compile_s": times,
+  }
   ma = compiled.memory_analysis()
   for field in ("temp", "argument", "output", "alias", "generated_code"):
     v = getattr(ma, f"{field}_size_in_bytes", None) if ma is not None else None
@@ -325,9 +341,7 @@ def compile_stats(jitted: Any, *args: Any) -> dict[str, Any]:
   return out
 
 
-def memory_rows(
-    cfg: Config, b: int, ks: Sequence[int], dev: jax.Device
-) -> list[dict[str, Any]]:
+def memory_rows(cfg: Config, b: int, ks: Sequence[int], dev: jax.Device) -> list[dict[str, Any]]:
   key = jax.random.key(SEED)
   params = sds(jax.eval_shape(lambda: init_params(key, cfg.layers)), dev)
   acc_bytes = param_bytes(params)
@@ -336,7 +350,10 @@ def memory_rows(
   def batch_sds(rows: int) -> Any:
     return sds(jax.eval_shape(lambda: make_batch(key, rows, cfg.layers)), dev)
 
-  plain_mb = compile_stats(jax.jit(plain_step_fn(adam())), params, adam_state, batch_sds(b))
+  def stats(jitted: Any, *args: Any) -> dict[str, Any]:
+    return compile_stats(jitted, *args, reps=cfg.compile_reps)
+
+  plain_mb = stats(jax.jit(plain_step_fn(adam())), params, adam_state, batch_sds(b))
   rows = []
   for k in ks:
     tx = ga.accumulate(adam(), k)
@@ -345,31 +362,27 @@ def memory_rows(
     ms_state = sds(jax.eval_shape(ms.init, params), dev)
     whole, mb = batch_sds(k * b), batch_sds(b)
     res = {
-        "ga_train_step": compile_stats(ga.train_step(loss_fn, tx), params, ga_state, whole),
-        "plain_microbatch": plain_mb,
-        "plain_whole": compile_stats(
-            jax.jit(plain_step_fn(adam())), params, adam_state, whole
-        ),
-        "optax_microbatch": compile_stats(
-            jax.jit(optax_microbatch_step_fn(adam(), b)), params, adam_state, whole
-        ),
-        "multisteps_micro_step": compile_stats(
-            jax.jit(micro_step_fn(ms)), params, ms_state, mb
-        ),
-        "ga_streaming_micro_step": compile_stats(
-            jax.jit(micro_step_fn(tx)), params, ga_state, mb
-        ),
+      "ga_train_step": stats(ga.train_step(loss_fn, tx), params, ga_state, whole),
+      "plain_microbatch": plain_mb,
+      "plain_whole": stats(jax.jit(plain_step_fn(adam())), params, adam_state, whole),
+      "optax_microbatch": stats(
+        jax.jit(optax_microbatch_step_fn(adam(), b)), params, adam_state, whole
+      ),
+      "multisteps_micro_step": stats(jax.jit(micro_step_fn(ms)), params, ms_state, mb),
+      "ga_streaming_micro_step": stats(jax.jit(micro_step_fn(tx)), params, ga_state, mb),
     }
     denom = (res["plain_microbatch"]["temp_bytes"] or 0) + acc_bytes
     ts = res["ga_train_step"]["temp_bytes"]
-    rows.append({
+    rows.append(
+      {
         "k": k,
         "b": b,
         "B": k * b,
         "accumulator_bytes": acc_bytes,
         "ratio_temp_train_step_vs_plain_mb_plus_acc": None if ts is None else ts / denom,
         "programs": res,
-    })
+      }
+    )
   return rows
 
 
@@ -387,22 +400,22 @@ def machine_info(dev: jax.Device) -> dict[str, Any]:
   except OSError:
     pass
   return {
-      "backend": jax.default_backend(),
-      "device": str(dev),
-      "device_platform": dev.platform,
-      "device_kind": dev.device_kind,
-      "num_devices": len(jax.devices(dev.platform)),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "optax": optax.__version__,
-      "gradaccum_jax": ga.__version__,
-      "python": platform.python_version(),
-      "os_cpu_count": os.cpu_count(),
-      "platform_processor": platform.processor(),
-      "cpu_model": cpu_model,
-      "platform": platform.platform(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "backend": jax.default_backend(),
+    "device": str(dev),
+    "device_platform": dev.platform,
+    "device_kind": dev.device_kind,
+    "num_devices": len(jax.devices(dev.platform)),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "optax": optax.__version__,
+    "gradaccum_jax": ga.__version__,
+    "python": platform.python_version(),
+    "os_cpu_count": os.cpu_count(),
+    "platform_processor": platform.processor(),
+    "cpu_model": cpu_model,
+    "platform": platform.platform(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
 
 
@@ -412,7 +425,7 @@ def fmt_mib(x: int | None) -> str:
 
 def main_table(runs: list[dict[str, Any]], names: Sequence[str]) -> str:
   head = "| method |" + "".join(
-      f" b={r['b']} (B={r['B']}) median ms [p25-p75] | ratio |" for r in runs
+    f" b={r['b']} (B={r['B']}) median ms [p25-p75] | ratio |" for r in runs
   )
   sep = "|---|" + "---:|---:|" * len(runs)
   lines = [head, sep]
@@ -420,46 +433,48 @@ def main_table(runs: list[dict[str, Any]], names: Sequence[str]) -> str:
     cells = ""
     for r in runs:
       s = r["methods"][n]
-      cells += f" {s['median_ms']:.2f} [{s['p25_ms']:.2f}-{s['p75_ms']:.2f}] | {s['ratio_vs_plain']:.2f} |"
+      cells += (
+        f" {s['median_ms']:.2f} [{s['p25_ms']:.2f}-{s['p75_ms']:.2f}] | {s['ratio_vs_plain']:.2f} |"
+      )
     lines.append(f"| {n} |{cells}")
   lines.append("")
   lines.append(
-      "First window from identical params, max |param - plain's|: "
-      + "; ".join(
-          f"b={r['b']}: "
-          + ", ".join(
-              f"{n} {r['methods'][n]['first_window_max_abs_diff_vs_plain']:.1e}"
-              for n in names
-              if n != "plain"
-          )
-          for r in runs
+    "First window from identical params, max |param - plain's|: "
+    + "; ".join(
+      f"b={r['b']}: "
+      + ", ".join(
+        f"{n} {r['methods'][n]['first_window_max_abs_diff_vs_plain']:.1e}"
+        for n in names
+        if n != "plain"
       )
+      for r in runs
+    )
   )
   return "\n".join(lines)
 
 
 def curve_table(runs: list[dict[str, Any]]) -> str:
   lines = [
-      "| b | B | plain ms | ga_streaming ms | ga_train_step ms | (d)/(a) streaming | (e)/(a) train_step |",
-      "|---:|---:|---:|---:|---:|---:|---:|",
+    "| b | B | plain ms | ga_streaming ms | ga_train_step ms | (d)/(a) streaming | (e)/(a) train_step |",
+    "|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in runs:
     m = r["methods"]
     lines.append(
-        f"| {r['b']} | {r['B']} | {m['plain']['median_ms']:.2f} |"
-        f" {m['ga_streaming']['median_ms']:.2f} | {m['ga_train_step']['median_ms']:.2f} |"
-        f" {m['ga_streaming']['ratio_vs_plain']:.2f} | {m['ga_train_step']['ratio_vs_plain']:.2f} |"
+      f"| {r['b']} | {r['B']} | {m['plain']['median_ms']:.2f} |"
+      f" {m['ga_streaming']['median_ms']:.2f} | {m['ga_train_step']['median_ms']:.2f} |"
+      f" {m['ga_streaming']['ratio_vs_plain']:.2f} | {m['ga_train_step']['ratio_vs_plain']:.2f} |"
     )
   return "\n".join(lines)
 
 
 MEM_COLS = (
-    ("ga_train_step", "train_step"),
-    ("plain_microbatch", "plain(b)"),
-    ("plain_whole", "plain(k*b)"),
-    ("optax_microbatch", "optax_mb"),
-    ("multisteps_micro_step", "MultiSteps micro"),
-    ("ga_streaming_micro_step", "ga streaming micro"),
+  ("ga_train_step", "train_step"),
+  ("plain_microbatch", "plain(b)"),
+  ("plain_whole", "plain(k*b)"),
+  ("optax_microbatch", "optax_mb"),
+  ("multisteps_micro_step", "MultiSteps micro"),
+  ("ga_streaming_micro_step", "ga streaming micro"),
 )
 
 
@@ -467,33 +482,31 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
   head = "| b | k | B | acc MiB |" + "".join(f" {label} |" for _, label in MEM_COLS)
   head += " train_step / (plain(b) + acc) |"
   lines = [
-      "Temp MiB (`compiled.memory_analysis().temp_size_in_bytes`):",
-      "",
-      head,
-      "|---:|---:|---:|---:|" + "---:|" * (len(MEM_COLS) + 1),
+    "Temp MiB (`compiled.memory_analysis().temp_size_in_bytes`):",
+    "",
+    head,
+    "|---:|---:|---:|---:|" + "---:|" * (len(MEM_COLS) + 1),
   ]
   for r in rows:
     p = r["programs"]
     ratio = r["ratio_temp_train_step_vs_plain_mb_plus_acc"]
     lines.append(
-        f"| {r['b']} | {r['k']} | {r['B']} | {fmt_mib(r['accumulator_bytes'])} |"
-        + "".join(f" {fmt_mib(p[key]['temp_bytes'])} |" for key, _ in MEM_COLS)
-        + (" n/a |" if ratio is None else f" {ratio:.2f} |")
+      f"| {r['b']} | {r['k']} | {r['B']} | {fmt_mib(r['accumulator_bytes'])} |"
+      + "".join(f" {fmt_mib(p[key]['temp_bytes'])} |" for key, _ in MEM_COLS)
+      + (" n/a |" if ratio is None else f" {ratio:.2f} |")
     )
   lines += [
-      "",
-      "Compile seconds (`.compile()`; lower in brackets):",
-      "",
-      "| b | k | B |" + "".join(f" {label} |" for _, label in MEM_COLS),
-      "|---:|---:|---:|" + "---:|" * len(MEM_COLS),
+    "",
+    "Compile seconds (`.compile()`; lower in brackets):",
+    "",
+    "| b | k | B |" + "".join(f" {label} |" for _, label in MEM_COLS),
+    "|---:|---:|---:|" + "---:|" * len(MEM_COLS),
   ]
   for r in rows:
     p = r["programs"]
     lines.append(
-        f"| {r['b']} | {r['k']} | {r['B']} |"
-        + "".join(
-            f" {p[key]['compile_s']:.2f} ({p[key]['lower_s']:.2f}) |" for key, _ in MEM_COLS
-        )
+      f"| {r['b']} | {r['k']} | {r['B']} |"
+      + "".join(f" {p[key]['compile_s']:.2f} ({p[key]['lower_s']:.2f}) |" for key, _ in MEM_COLS)
     )
   return "\n".join(lines)
 
@@ -510,10 +523,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   info = machine_info(dev)
   info_line = (
-      f"Machine: {info['cpu_model'] or info['platform_processor'] or platform.machine()},"
-      f" os.cpu_count()={info['os_cpu_count']}; device {info['device']} ({info['device_kind']},"
-      f" backend {info['backend']}); jax {info['jax']}, jaxlib {info['jaxlib']}, optax"
-      f" {info['optax']}; {info['date']}"
+    f"Machine: {info['cpu_model'] or info['platform_processor'] or platform.machine()},"
+    f" os.cpu_count()={info['os_cpu_count']}; device {info['device']} ({info['device_kind']},"
+    f" backend {info['backend']}); jax {info['jax']}, jaxlib {info['jaxlib']}, optax"
+    f" {info['optax']}; {info['date']}"
   )
   print(info_line, flush=True)
   print(json.dumps(info, indent=1), flush=True)
@@ -529,18 +542,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   print(f"memory/compile, b={cfg.mem_b} ...", flush=True)
   mem = memory_rows(cfg, cfg.mem_b, cfg.mem_ks, dev)
-  small = [r["programs"]["ga_train_step"]["temp_bytes"] or 0 for r in mem]
-  print(
-      f"  b={cfg.mem_b}: train_step temp bytes for k={list(cfg.mem_ks)}: {small}",
+  for r in mem:
+    print(
+      f"  b={r['b']} k={r['k']}: temp bytes train_step"
+      f" {r['programs']['ga_train_step']['temp_bytes']}, plain(b)"
+      f" {r['programs']['plain_microbatch']['temp_bytes']}",
       flush=True,
-  )
+    )
+  small = [
+    r["programs"][name]["temp_bytes"] or 0
+    for r in mem
+    for name in ("ga_train_step", "plain_microbatch")
+  ]
+  mem_note = f"Each row's micro-batch size is its b column; all rows used b={cfg.mem_b}."
   if min(small) < TEMP_MEANINGFUL_BYTES:
     print(f"  temp ~0 at b={cfg.mem_b}; adding b={cfg.mem_big_b} ...", flush=True)
     mem += memory_rows(cfg, cfg.mem_big_b, cfg.mem_big_ks, dev)
+    mem_note = (
+      f"Each row's micro-batch size is its b column. At b={cfg.mem_b} some programs report"
+      f" < {TEMP_MEANINGFUL_BYTES // MIB} MiB temp (XLA:CPU reports ~0 temp for small"
+      f" programs), so rows with b={cfg.mem_big_b} were added; read the ratio there."
+    )
 
   total_s = time.perf_counter() - t_start
   model = "-".join(map(str, cfg.layers))
-  md = "\n".join([
+  md = "\n".join(
+    [
       f"# Gradient accumulation step time ({'smoke' if args.smoke else 'full'} run)",
       "",
       info_line,
@@ -561,22 +588,26 @@ def main(argv: Sequence[str] | None = None) -> int:
       "",
       "## Temp memory and compile time (compiled on ShapeDtypeStructs, nothing run)",
       "",
+      mem_note,
+      "",
       memory_table(mem),
       "",
-  ])
+    ]
+  )
   print()
   print(md)
 
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   result = {
-      "config": dataclasses.asdict(cfg) | {"smoke": args.smoke, "lr": LR, "seed": SEED},
-      "machine": info,
-      "methods": list(METHODS),
-      "main": main_runs,
-      "curve": curve_runs,
-      "memory": mem,
-      "total_s": total_s,
+    "config": dataclasses.asdict(cfg) | {"smoke": args.smoke, "lr": LR, "seed": SEED},
+    "machine": info,
+    "methods": list(METHODS),
+    "main": main_runs,
+    "curve": curve_runs,
+    "memory": mem,
+    "memory_note": mem_note,
+    "total_s": total_s,
   }
   (out / "step_time.json").write_text(json.dumps(result, indent=1) + "\n")
   (out / "step_time.md").write_text(md)

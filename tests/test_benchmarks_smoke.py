@@ -1,0 +1,69 @@
+"""Smoke test of benchmarks/step_time.py: the --smoke run exits 0 and writes its results."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {"plain", "multisteps_loop", "optax_microbatch", "ga_streaming", "ga_train_step"}
+CURVE_METHODS = {"plain", "ga_streaming", "ga_train_step"}
+PROGRAMS = {
+  "ga_train_step",
+  "plain_microbatch",
+  "plain_whole",
+  "optax_microbatch",
+  "multisteps_micro_step",
+  "ga_streaming_micro_step",
+}
+
+
+def test_step_time_smoke(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/step_time.py", "--smoke", "--out", str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  json_path, md_path = tmp_path / "step_time.json", tmp_path / "step_time.md"
+  assert json_path.is_file() and md_path.is_file()
+
+  result = json.loads(json_path.read_text())
+  assert {"config", "machine", "methods", "main", "curve", "memory", "total_s"} <= set(result)
+  assert result["config"]["smoke"] is True
+  for key in ("backend", "device_kind", "jax", "jaxlib", "optax", "os_cpu_count"):
+    assert key in result["machine"]
+  assert set(result["methods"]) == METHODS
+
+  assert result["main"]
+  for run in result["main"]:
+    assert run["B"] == run["k"] * run["b"]
+    assert set(run["methods"]) == METHODS
+    for stats in run["methods"].values():
+      assert stats["median_ms"] > 0
+      assert stats["ratio_vs_plain"] > 0
+      assert len(stats["samples_ms"]) == stats["n"] > 0
+      # Every method computes the same update as the plain big-batch step.
+      assert stats["first_window_max_abs_diff_vs_plain"] < 1e-4
+    assert run["methods"]["plain"]["ratio_vs_plain"] == 1.0
+
+  assert result["curve"]
+  for run in result["curve"]:
+    assert set(run["methods"]) == CURVE_METHODS
+
+  assert result["memory"]
+  for row in result["memory"]:
+    assert row["accumulator_bytes"] > 0
+    assert row["ratio_temp_train_step_vs_plain_mb_plus_acc"] is not None
+    assert set(row["programs"]) == PROGRAMS
+    for prog in row["programs"].values():
+      assert prog["compile_s"] > 0
+      assert prog["temp_bytes"] is not None
+
+  md = md_path.read_text()
+  for name in METHODS:
+    assert name in md
+  assert "train_step / (plain(b) + acc)" in md
+  assert result["machine"]["jax"] in md
