@@ -15,10 +15,10 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+unknown"
 
 __all__ = (
-    "AccumulateState",
-    "accumulate",
-    "has_updated",
-    "microbatch",
-    "train_step",
-    "value_and_grad",
+  "AccumulateState",
+  "accumulate",
+  "has_updated",
+  "microbatch",
+  "train_step",
+  "value_and_grad",
 )

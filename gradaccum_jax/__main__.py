@@ -51,7 +51,9 @@ def loss_fn(params, batch):
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m gradaccum_jax", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m gradaccum_jax", description=__doc__.split("\n")[0]
+  )
   parser.add_argument("--k", type=int, default=8, help="micro-batches per update (default 8)")
   parser.add_argument("--microbatch-size", type=int, default=64, help="rows per micro-batch b")
   parser.add_argument("--steps", type=int, default=30, help="optimizer updates (windows)")
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   if args.k <= 0 or args.microbatch_size <= 0 or args.steps <= 0:
-    parser.error(f"--k={args.k}, --microbatch-size={args.microbatch_size} and --steps={args.steps} must be positive")
+    parser.error(
+      f"--k={args.k}, --microbatch-size={args.microbatch_size} and --steps={args.steps} must be positive"
+    )
 
   k, b = args.k, args.microbatch_size
   batch_size = k * b
@@ -70,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
   dk, pk = jax.random.split(key)
   x, y = make_data(dk, batch_size * args.steps, args.dim, args.classes)
   batches = [
-      {"x": x[i * batch_size : (i + 1) * batch_size], "y": y[i * batch_size : (i + 1) * batch_size]}
-      for i in range(args.steps)
+    {"x": x[i * batch_size : (i + 1) * batch_size], "y": y[i * batch_size : (i + 1) * batch_size]}
+    for i in range(args.steps)
   ]
   params0 = init_params(pk, (args.dim, args.hidden, args.hidden, args.classes))
   print(
-      f"gradaccum_jax {ga.__version__} on {jax.devices()[0].platform} (jax {jax.__version__}):"
-      f" {args.steps} adam updates of an effective batch of {batch_size} = {k} x {b} rows"
+    f"gradaccum_jax {ga.__version__} on {jax.devices()[0].platform} (jax {jax.__version__}):"
+    f" {args.steps} adam updates of an effective batch of {batch_size} = {k} x {b} rows"
   )
 
   inner = optax.adam(args.lr)
@@ -91,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
   accum_step = ga.train_step(loss_fn, tx, has_aux=True)
 
   runs = {
-      f"plain batch of {batch_size}": (plain_step, inner.init(params0)),
-      f"ga.train_step {k} x {b}": (accum_step, tx.init(params0)),
+    f"plain batch of {batch_size}": (plain_step, inner.init(params0)),
+    f"ga.train_step {k} x {b}": (accum_step, tx.init(params0)),
   }
   results = {}
   for name, (step, state) in runs.items():
@@ -106,28 +110,28 @@ def main(argv: list[str] | None = None) -> int:
       times.append(time.perf_counter() - start)
       losses.append(float(metrics["loss"]))
     results[name] = {
-        "params": params,
-        "loss": losses[-1],
-        "first_loss": losses[0],
-        "accuracy": float(metrics["aux"]["accuracy"]),
-        "ms": 1e3 * float(np.median(times[1:] or times)),
-        "temp_mib": temp / 2**20,
+      "params": params,
+      "loss": losses[-1],
+      "first_loss": losses[0],
+      "accuracy": float(metrics["aux"]["accuracy"]),
+      "ms": 1e3 * float(np.median(times[1:] or times)),
+      "temp_mib": temp / 2**20,
     }
 
   print("\n| run | first loss | final loss | final accuracy | ms / update | XLA temp MiB |")
   print("|---|---|---|---|---|---|")
   for name, r in results.items():
     print(
-        f"| {name} | {r['first_loss']:.4f} | {r['loss']:.4f} | {r['accuracy']:.3f} |"
-        f" {r['ms']:.2f} | {r['temp_mib']:.2f} |"
+      f"| {name} | {r['first_loss']:.4f} | {r['loss']:.4f} | {r['accuracy']:.3f} |"
+      f" {r['ms']:.2f} | {r['temp_mib']:.2f} |"
     )
   (_, ra), (_, rb) = results.items()
   diff = optax.tree.norm(jax.tree.map(jnp.subtract, ra["params"], rb["params"]))
   rel = float(diff / optax.tree.norm(ra["params"]))
   agree = rel < 1e-3
   print(
-      f"\nrelative parameter difference after {args.steps} updates: {rel:.1e}"
-      f" -> {'the runs agree' if agree else 'THE RUNS DISAGREE'} (tolerance 1e-3)"
+    f"\nrelative parameter difference after {args.steps} updates: {rel:.1e}"
+    f" -> {'the runs agree' if agree else 'THE RUNS DISAGREE'} (tolerance 1e-3)"
   )
   return 0 if agree else 1
 

@@ -73,9 +73,9 @@ def has_updated(state: AccumulateState) -> jax.Array:
   """
   if not isinstance(state, AccumulateState):
     raise TypeError(
-        f"has_updated expects an AccumulateState, got {type(state).__name__}."
-        " Pass the state returned by ga.accumulate(...).init/update, not the"
-        " inner optimizer's state."
+      f"has_updated expects an AccumulateState, got {type(state).__name__}."
+      " Pass the state returned by ga.accumulate(...).init/update, not the"
+      " inner optimizer's state."
     )
   return state.updated
 
@@ -86,14 +86,14 @@ def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> Nu
     if allow_schedule:
       return num_microbatches
     raise TypeError(
-        f"{num_microbatches=} is a schedule; the fused train_step needs a"
-        " fixed int number of micro-batches per window. Pass an int to"
-        " ga.accumulate, or drive a schedule with tx.update (streaming mode)."
+      f"{num_microbatches=} is a schedule; the fused train_step needs a"
+      " fixed int number of micro-batches per window. Pass an int to"
+      " ga.accumulate, or drive a schedule with tx.update (streaming mode)."
     )
   if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
     raise TypeError(
-        f"{num_microbatches=} must be a positive int (the number of"
-        " micro-batches per optimizer step)."
+      f"{num_microbatches=} must be a positive int (the number of"
+      " micro-batches per optimizer step)."
     )
   k = operator.index(num_microbatches)
   if k <= 0:
@@ -113,18 +113,18 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
   gdef, rdef = jax.tree.structure(grads), jax.tree.structure(reference)
   if gdef != rdef:
     raise ValueError(
-        f"The {what} do not match the structure of the parameters that"
-        f" tx.init was called with.\n  {what}: {gdef}\n  params: {rdef}\nPass"
-        " gradients with exactly the structure of the params (for equinox, filter"
-        " both with the same eqx.filter)."
+      f"The {what} do not match the structure of the parameters that"
+      f" tx.init was called with.\n  {what}: {gdef}\n  params: {rdef}\nPass"
+      " gradients with exactly the structure of the params (for equinox, filter"
+      " both with the same eqx.filter)."
     )
   for (path, g), r in zip(
-      jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
   ):
     if jnp.shape(g) != jnp.shape(r):
       raise ValueError(
-          f"The {what} leaf at {jax.tree_util.keystr(path)} has shape"
-          f" {jnp.shape(g)}, but the parameter has shape {jnp.shape(r)}."
+        f"The {what} leaf at {jax.tree_util.keystr(path)} has shape"
+        f" {jnp.shape(g)}, but the parameter has shape {jnp.shape(r)}."
       )
 
 
@@ -138,17 +138,17 @@ def weighted_add(acc: Any, tree: Any, weight: jax.Array | None) -> Any:
   if weight is None:
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
   return jax.tree.map(
-      lambda a, x: a + jnp.where(weight > 0, x.astype(a.dtype) * weight.astype(a.dtype), 0),
-      acc,
-      tree,
+    lambda a, x: a + jnp.where(weight > 0, x.astype(a.dtype) * weight.astype(a.dtype), 0),
+    acc,
+    tree,
   )
 
 
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
   """Zeros shaped like ``params``, in ``accum_dtype`` (the params' dtypes if None)."""
   return jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p) if accum_dtype is None else accum_dtype),
-      params,
+    lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p) if accum_dtype is None else accum_dtype),
+    params,
   )
 
 
@@ -157,9 +157,9 @@ def check_weight(weight: Any, what: str = "weight") -> jax.Array:
   shape = jnp.shape(weight)
   if shape != ():
     raise ValueError(
-        f"{what} must be a scalar (the number of examples or tokens in the"
-        f" micro-batch), got an array of shape {shape}. Reduce it, e.g. to"
-        " mask.sum()."
+      f"{what} must be a scalar (the number of examples or tokens in the"
+      f" micro-batch), got an array of shape {shape}. Reduce it, e.g. to"
+      " mask.sum()."
     )
   return jnp.asarray(weight, jnp.float32)
 
@@ -175,13 +175,13 @@ class _Accumulator:
 
   def init(self, params: Params) -> AccumulateState:
     return AccumulateState(
-        micro_step=jnp.zeros((), jnp.int32),
-        count=jnp.zeros((), jnp.int32),
-        num_skipped=jnp.zeros((), jnp.int32),
-        updated=jnp.zeros((), bool),
-        acc_grads=zeros_accumulator(params, self.accum_dtype),
-        acc_weight=jnp.zeros((), jnp.float32),
-        inner_state=self.inner.init(params),
+      micro_step=jnp.zeros((), jnp.int32),
+      count=jnp.zeros((), jnp.int32),
+      num_skipped=jnp.zeros((), jnp.int32),
+      updated=jnp.zeros((), bool),
+      acc_grads=zeros_accumulator(params, self.accum_dtype),
+      acc_weight=jnp.zeros((), jnp.float32),
+      inner_state=self.inner.init(params),
     )
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
@@ -191,13 +191,13 @@ class _Accumulator:
     return jnp.maximum(jnp.asarray(k(count), jnp.int32), 1)
 
   def close(
-      self,
-      acc_grads: Updates,
-      acc_weight: jax.Array,
-      state: AccumulateState,
-      params: Params | None,
-      grad_like: Updates,
-      extra_args: dict[str, Any],
+    self,
+    acc_grads: Updates,
+    acc_weight: jax.Array,
+    state: AccumulateState,
+    params: Params | None,
+    grad_like: Updates,
+    extra_args: dict[str, Any],
   ) -> tuple[Updates, AccumulateState]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
@@ -215,31 +215,31 @@ class _Accumulator:
       ok = ok & _tree_all_finite(mean)
     updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
     inner_state = jax.tree.map(
-        lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
+      lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
     )
     new_state = AccumulateState(
-        micro_step=jnp.zeros((), jnp.int32),
-        count=optax.safe_increment(state.count),
-        num_skipped=jnp.where(ok, state.num_skipped, optax.safe_increment(state.num_skipped)),
-        updated=ok,
-        acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
-        acc_weight=jnp.zeros((), jnp.float32),
-        inner_state=inner_state,
+      micro_step=jnp.zeros((), jnp.int32),
+      count=optax.safe_increment(state.count),
+      num_skipped=jnp.where(ok, state.num_skipped, optax.safe_increment(state.num_skipped)),
+      updated=ok,
+      acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
+      acc_weight=jnp.zeros((), jnp.float32),
+      inner_state=inner_state,
     )
     return updates, new_state
 
   def update(
-      self,
-      grads: Updates,
-      state: AccumulateState,
-      params: Params | None = None,
-      *,
-      weight: Any = None,
-      **extra_args: Any,
+    self,
+    grads: Updates,
+    state: AccumulateState,
+    params: Params | None = None,
+    *,
+    weight: Any = None,
+    **extra_args: Any,
   ) -> tuple[Updates, AccumulateState]:
     if not isinstance(state, AccumulateState):
       raise TypeError(
-          f"state must be the AccumulateState from tx.init, got {type(state).__name__}."
+        f"state must be the AccumulateState from tx.init, got {type(state).__name__}."
       )
     check_same_structure(grads, state.acc_grads, "grads")
     w = None if weight is None else check_weight(weight)
@@ -262,7 +262,7 @@ class _Accumulator:
       acc, acc_weight, state = operands
       updates = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
       return updates, state._replace(
-          micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
+        micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
       )
 
     emit = micro_step >= self.window_size(state.count)
@@ -270,11 +270,11 @@ class _Accumulator:
 
 
 def accumulate(
-    inner: optax.GradientTransformation,
-    num_microbatches: NumMicrobatches,
-    *,
-    accum_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = True,
+  inner: optax.GradientTransformation,
+  num_microbatches: NumMicrobatches,
+  *,
+  accum_dtype: Any = jnp.float32,
+  skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
@@ -348,16 +348,14 @@ def accumulate(
   """
   k = check_num_microbatches(num_microbatches, allow_schedule=True)
   if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-        f"inner must be an optax.GradientTransformation, got {type(inner).__name__}."
-    )
+    raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
   acc = _Accumulator(
-      inner=optax.with_extra_args_support(inner),
-      num_microbatches=k,
-      accum_dtype=accum_dtype,
-      skip_nonfinite=bool(skip_nonfinite),
+    inner=optax.with_extra_args_support(inner),
+    num_microbatches=k,
+    accum_dtype=accum_dtype,
+    skip_nonfinite=bool(skip_nonfinite),
   )
   return optax.GradientTransformationExtraArgs(acc.init, acc.update)
 
@@ -367,8 +365,8 @@ def get_accumulator(tx: Any) -> _Accumulator:
   owner = getattr(getattr(tx, "update", None), "__self__", None)
   if not isinstance(owner, _Accumulator):
     raise TypeError(
-        f"tx must be made by ga.accumulate(inner, num_microbatches), got"
-        f" {type(tx).__name__}. Wrap your optimizer: tx = ga.accumulate(optax.adam(1e-3), k);"
-        " put clipping and schedules inside `inner`."
+      f"tx must be made by ga.accumulate(inner, num_microbatches), got"
+      f" {type(tx).__name__}. Wrap your optimizer: tx = ga.accumulate(optax.adam(1e-3), k);"
+      " put clipping and schedules inside `inner`."
     )
   return owner

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._accumulate import (
-    check_num_microbatches,
-    check_weight,
-    weighted_add,
-    zeros_accumulator,
+  check_num_microbatches,
+  check_weight,
+  weighted_add,
+  zeros_accumulator,
 )
 
 
@@ -21,22 +21,24 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
   """Returns the batch size B, after checking every leaf has it and k divides it."""
   leaves = jax.tree_util.tree_leaves_with_path(batch)
   if not leaves:
-    raise ValueError("batch has no array leaves; pass a pytree of arrays with a leading batch axis.")
+    raise ValueError(
+      "batch has no array leaves; pass a pytree of arrays with a leading batch axis."
+    )
   sizes = {}
   for path, x in leaves:
     shape = jnp.shape(x)
     name = jax.tree_util.keystr(path) or "batch"
     if not shape:
       raise ValueError(
-          f"batch leaf {name} is a scalar; every batch leaf needs a leading batch"
-          " dimension (pass constants through a closure or the params instead)."
+        f"batch leaf {name} is a scalar; every batch leaf needs a leading batch"
+        " dimension (pass constants through a closure or the params instead)."
       )
     sizes[name] = shape[0]
   if len(set(sizes.values())) > 1:
     listing = ", ".join(f"{name}: {size}" for name, size in sizes.items())
     raise ValueError(
-        f"batch leaves have different leading (batch) dimensions: {listing}. Every"
-        " leaf must have the same batch size B on axis 0."
+      f"batch leaves have different leading (batch) dimensions: {listing}. Every"
+      " leaf must have the same batch size B on axis 0."
     )
   batch_size = next(iter(sizes.values()))
   k = num_microbatches
@@ -44,9 +46,9 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     shown = divisors if len(divisors) <= 12 else divisors[:6] + ["..."] + divisors[-3:]
     raise ValueError(
-        f"batch size B={batch_size} is not divisible by num_microbatches k={k}."
-        f" Use a batch size that is a multiple of {k}, or a k that divides"
-        f" {batch_size} (divisors: {', '.join(map(str, shown))})."
+      f"batch size B={batch_size} is not divisible by num_microbatches k={k}."
+      f" Use a batch size that is a multiple of {k}, or a k that divides"
+      f" {batch_size} (divisors: {', '.join(map(str, shown))})."
     )
   return batch_size
 
@@ -98,14 +100,13 @@ class MicrobatchedGrad:
     if self.has_aux:
       if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(
-            "With has_aux=True, loss_fn must return a pair (loss, aux), got"
-            f" {type(out).__name__}."
+          f"With has_aux=True, loss_fn must return a pair (loss, aux), got {type(out).__name__}."
         )
       loss, aux = out
     elif isinstance(out, tuple | list):
       raise TypeError(
-          f"loss_fn returned a {type(out).__name__} of length {len(out)}; if it returns"
-          " (loss, aux), pass has_aux=True."
+        f"loss_fn returned a {type(out).__name__} of length {len(out)}; if it returns"
+        " (loss, aux), pass has_aux=True."
       )
     else:
       loss, aux = out, None
@@ -114,17 +115,17 @@ class MicrobatchedGrad:
     if jnp.shape(loss) != ():
       hint = "" if self.has_aux else " If it returns (loss, aux), pass has_aux=True."
       raise ValueError(
-          "loss_fn must return a scalar: the mean loss over its micro-batch; got"
-          f" shape {jnp.shape(loss)}.{hint}"
+        "loss_fn must return a scalar: the mean loss over its micro-batch; got"
+        f" shape {jnp.shape(loss)}.{hint}"
       )
     return loss, aux
 
   def sums(
-      self,
-      params: Any,
-      batch: Any,
-      rng: jax.Array | None,
-      acc_init: Any,
+    self,
+    params: Any,
+    batch: Any,
+    rng: jax.Array | None,
+    acc_init: Any,
   ) -> Sums:
     """Scans the micro-batches, adding ``w_i g_i`` to ``acc_init``."""
     k = self.num_microbatches
@@ -143,8 +144,8 @@ class MicrobatchedGrad:
 
     loss_like, aux_like, _, _ = jax.eval_shape(one, 0)
     aux0 = jax.tree.map(
-        lambda s: jnp.zeros(s.shape, jnp.float32 if _is_float(s) else _int_acc_dtype(s)),
-        aux_like,
+      lambda s: jnp.zeros(s.shape, jnp.float32 if _is_float(s) else _int_acc_dtype(s)),
+      aux_like,
     )
 
     def body(carry, i):
@@ -153,11 +154,13 @@ class MicrobatchedGrad:
       acc = weighted_add(acc, grads, w)
       loss_sum = weighted_add(loss_sum, loss, w)
       aux_sum = jax.tree.map(
-          lambda a, x: weighted_add(a, x, w)
+        lambda a, x: (
+          weighted_add(a, x, w)
           if _is_float(x)
-          else a + (x.astype(a.dtype) if w is None else jnp.where(w > 0, x, 0).astype(a.dtype)),
-          aux_sum,
-          aux,
+          else a + (x.astype(a.dtype) if w is None else jnp.where(w > 0, x, 0).astype(a.dtype))
+        ),
+        aux_sum,
+        aux,
       )
       weight = weight + (1.0 if w is None else jnp.where(w > 0, w, 0.0))
       return (acc, weight, loss_sum, aux_sum), None
@@ -170,9 +173,9 @@ class MicrobatchedGrad:
     """The weighted mean loss and aux, in the dtypes ``loss_fn`` returned."""
     loss = safe_mean(sums.loss, sums.weight).astype(sums.loss_like.dtype)
     aux = jax.tree.map(
-        lambda a, like: safe_mean(a, sums.weight).astype(like.dtype) if _is_float(like) else a,
-        sums.aux,
-        sums.aux_like,
+      lambda a, like: safe_mean(a, sums.weight).astype(like.dtype) if _is_float(like) else a,
+      sums.aux,
+      sums.aux_like,
     )
     return loss, aux
 
@@ -187,12 +190,12 @@ def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def value_and_grad(
-    loss_fn: Callable[..., Any],
-    num_microbatches: int,
-    *,
-    has_aux: bool = False,
-    weight_fn: Callable[[Any], Any] | None = None,
-    accum_dtype: Any = jnp.float32,
+  loss_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  accum_dtype: Any = jnp.float32,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -262,7 +265,7 @@ def value_and_grad(
   def vg(params, batch, rng=None):
     s = mg.sums(params, batch, rng, zeros_accumulator(params, accum_dtype))
     grads = jax.tree.map(
-        lambda a, p: safe_mean(a, s.weight).astype(jnp.result_type(p)), s.grads, params
+      lambda a, p: safe_mean(a, s.weight).astype(jnp.result_type(p)), s.grads, params
     )
     loss, aux = mg.means(s)
     return ((loss, aux) if has_aux else loss), grads

@@ -9,22 +9,22 @@ import jax
 import optax
 
 from gradaccum_jax._accumulate import (
-    AccumulateState,
-    check_num_microbatches,
-    check_same_structure,
-    get_accumulator,
+  AccumulateState,
+  check_num_microbatches,
+  check_same_structure,
+  get_accumulator,
 )
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
 
 
 def train_step(
-    loss_fn: Callable[..., Any],
-    tx: optax.GradientTransformationExtraArgs,
-    *,
-    has_aux: bool = False,
-    weight_fn: Callable[[Any], Any] | None = None,
-    donate: bool = False,
-    jit: bool = True,
+  loss_fn: Callable[..., Any],
+  tx: optax.GradientTransformationExtraArgs,
+  *,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  donate: bool = False,
+  jit: bool = True,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -90,8 +90,8 @@ def train_step(
   def step(params, state, batch, rng=None):
     if not isinstance(state, AccumulateState):
       raise TypeError(
-          f"state must be tx.init(params) for the tx given to train_step (an"
-          f" AccumulateState), got {type(state).__name__}."
+        f"state must be tx.init(params) for the tx given to train_step (an"
+        f" AccumulateState), got {type(state).__name__}."
       )
     check_same_structure(params, state.acc_grads, "params")
     sums = mg.sums(params, batch, rng, state.acc_grads)
@@ -100,10 +100,10 @@ def train_step(
     new_params = optax.apply_updates(params, updates)
     loss, aux = mg.means(sums)
     metrics = {
-        "loss": loss,
-        "grad_norm": safe_mean(optax.tree.norm(sums.grads), weight),
-        "weight": sums.weight,
-        "updated": new_state.updated,
+      "loss": loss,
+      "grad_norm": safe_mean(optax.tree.norm(sums.grads), weight),
+      "weight": sums.weight,
+      "updated": new_state.updated,
     }
     if has_aux:
       metrics["aux"] = aux

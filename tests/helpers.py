@@ -8,25 +8,25 @@ import numpy as np
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
   """Leafwise np.testing.assert_allclose, with the same tree structure."""
   assert jax.tree.structure(actual) == jax.tree.structure(expected), (
-      jax.tree.structure(actual),
-      jax.tree.structure(expected),
+    jax.tree.structure(actual),
+    jax.tree.structure(expected),
   )
   for (path, a), e in zip(
-      jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+    jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
   ):
     np.testing.assert_allclose(
-        np.asarray(a, np.float64),
-        np.asarray(e, np.float64),
-        rtol=rtol,
-        atol=atol,
-        err_msg=f"at {jax.tree_util.keystr(path)}",
+      np.asarray(a, np.float64),
+      np.asarray(e, np.float64),
+      rtol=rtol,
+      atol=atol,
+      err_msg=f"at {jax.tree_util.keystr(path)}",
     )
 
 
 def max_abs_diff(a, b):
   return max(
-      float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   )
 
 
@@ -35,8 +35,8 @@ def init_mlp(key, sizes=(6, 16, 3), dtype=jnp.float32):
   for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
     key, wk, bk = jax.random.split(key, 3)
     params[f"layer{i}"] = {
-        "w": (jax.random.normal(wk, (m, n)) / np.sqrt(m)).astype(dtype),
-        "b": (0.1 * jax.random.normal(bk, (n,))).astype(dtype),
+      "w": (jax.random.normal(wk, (m, n)) / np.sqrt(m)).astype(dtype),
+      "b": (0.1 * jax.random.normal(bk, (n,))).astype(dtype),
     }
   return params
 
@@ -60,6 +60,6 @@ def xent_loss(params, batch):
 def make_batch(key, batch_size, d_in=6, num_classes=3):
   xk, yk = jax.random.split(key)
   return {
-      "x": jax.random.normal(xk, (batch_size, d_in)),
-      "y": jax.random.randint(yk, (batch_size,), 0, num_classes),
+    "x": jax.random.normal(xk, (batch_size, d_in)),
+    "y": jax.random.randint(yk, (batch_size,), 0, num_classes),
   }

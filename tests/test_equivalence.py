@@ -14,17 +14,17 @@ WINDOWS = 3
 CLIP = 0.05
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.3),
-    "momentum": lambda: optax.sgd(0.3, momentum=0.9),
-    "adam": lambda: optax.adam(1e-2),
-    "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, WINDOWS)),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "lamb": lambda: optax.lamb(1e-2),
-    "lars": lambda: optax.lars(0.1),
-    "adafactor": lambda: optax.adafactor(1e-2),
-    "clip_adamw": lambda: optax.chain(
-        optax.clip_by_global_norm(CLIP), optax.adamw(1e-2, weight_decay=0.1)
-    ),
+  "sgd": lambda: optax.sgd(0.3),
+  "momentum": lambda: optax.sgd(0.3, momentum=0.9),
+  "adam": lambda: optax.adam(1e-2),
+  "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, WINDOWS)),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "lamb": lambda: optax.lamb(1e-2),
+  "lars": lambda: optax.lars(0.1),
+  "adafactor": lambda: optax.adafactor(1e-2),
+  "clip_adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(CLIP), optax.adamw(1e-2, weight_decay=0.1)
+  ),
 }
 
 
@@ -112,7 +112,9 @@ def test_clipping_sees_the_accumulated_gradient():
   assert float(optax.tree.norm(grads)) > 2 * CLIP  # clipping is active
 
   inner = OPTIMIZERS["clip_adamw"]()
-  per_micro = optax.chain(optax.clip_by_global_norm(CLIP), ga.accumulate(optax.adamw(1e-2, weight_decay=0.1), K))
+  per_micro = optax.chain(
+    optax.clip_by_global_norm(CLIP), ga.accumulate(optax.adamw(1e-2, weight_decay=0.1), K)
+  )
   state = per_micro.init(params)
   for i in range(K):
     g = jax.grad(xent_loss)(params, ga.microbatch(batch, i, K))

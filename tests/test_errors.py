@@ -17,15 +17,15 @@ def params():
 
 
 @pytest.mark.parametrize(
-    "bad, error, match",
-    [
-        (0, ValueError, "num_microbatches=0 must be a positive int"),
-        (-3, ValueError, "num_microbatches=-3 must be a positive int"),
-        (2.5, TypeError, "num_microbatches=2.5 must be a positive int"),
-        ("4", TypeError, "num_microbatches='4' must be a positive int"),
-        (True, TypeError, "num_microbatches=True must be a positive int"),
-        (None, TypeError, "num_microbatches=None must be a positive int"),
-    ],
+  "bad, error, match",
+  [
+    (0, ValueError, "num_microbatches=0 must be a positive int"),
+    (-3, ValueError, "num_microbatches=-3 must be a positive int"),
+    (2.5, TypeError, "num_microbatches=2.5 must be a positive int"),
+    ("4", TypeError, "num_microbatches='4' must be a positive int"),
+    (True, TypeError, "num_microbatches=True must be a positive int"),
+    (None, TypeError, "num_microbatches=None must be a positive int"),
+  ],
 )
 @pytest.mark.parametrize("factory", ["accumulate", "value_and_grad"])
 def test_bad_num_microbatches(factory, bad, error, match):
@@ -50,13 +50,13 @@ def test_schedule_passed_to_train_step():
 
 
 @pytest.mark.parametrize(
-    "tx",
-    [
-        optax.adam(1e-3),
-        optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4),
-        optax.chain(optax.clip(1.0), ga.accumulate(optax.adam(1e-3), 4)),
-    ],
-    ids=["adam", "multisteps", "chained"],
+  "tx",
+  [
+    optax.adam(1e-3),
+    optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4),
+    optax.chain(optax.clip(1.0), ga.accumulate(optax.adam(1e-3), 4)),
+  ],
+  ids=["adam", "multisteps", "chained"],
 )
 def test_tx_not_from_accumulate(tx):
   with pytest.raises(TypeError, match=r"tx must be made by ga.accumulate"):
@@ -64,7 +64,9 @@ def test_tx_not_from_accumulate(tx):
 
 
 def test_inner_not_a_transformation():
-  with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation, got function"):
+  with pytest.raises(
+    TypeError, match="inner must be an optax.GradientTransformation, got function"
+  ):
     ga.accumulate(optax.adam, 4)
 
 
@@ -131,7 +133,7 @@ def test_weight_of_wrong_shape(params):
 def test_weight_fn_returning_an_array(params):
   with pytest.raises(ValueError, match=r"weight_fn\(microbatch\) must be a scalar.*shape \(4,\)"):
     ga.value_and_grad(xent_loss, 4, weight_fn=lambda mb: jnp.ones(4))(
-        params, make_batch(jax.random.key(1), 16)
+      params, make_batch(jax.random.key(1), 16)
     )
 
 

@@ -17,8 +17,8 @@ SIZES = (D_IN, HIDDEN, HIDDEN, 16)
 
 def shapes(batch_size):
   return {
-      "x": jax.ShapeDtypeStruct((batch_size, D_IN), jnp.float32),
-      "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    "x": jax.ShapeDtypeStruct((batch_size, D_IN), jnp.float32),
+    "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
   }
 
 

@@ -22,9 +22,9 @@ def token_batch(key, batch_size=16, seq=5, d_in=6, lengths=None):
     lengths = jax.random.randint(lk, (batch_size,), 1, seq + 1)
   mask = (jnp.arange(seq)[None, :] < jnp.asarray(lengths)[:, None]).astype(jnp.float32)
   return {
-      "x": jax.random.normal(xk, (batch_size, seq, d_in)),
-      "y": jax.random.randint(yk, (batch_size, seq), 0, 3),
-      "mask": mask,
+    "x": jax.random.normal(xk, (batch_size, seq, d_in)),
+    "y": jax.random.randint(yk, (batch_size, seq), 0, 3),
+    "mask": mask,
   }
 
 
@@ -63,7 +63,7 @@ def test_token_weighted_loss_is_the_token_mean_of_the_whole_batch():
   ref_params = optax.apply_updates(params, inner.update(ref_grads, inner.init(params), params)[0])
   tx = ga.accumulate(optax.adam(1e-2), K)
   new_params, _, metrics = ga.train_step(token_mean_loss, tx, weight_fn=num_tokens)(
-      params, tx.init(params), batch
+    params, tx.init(params), batch
   )
   assert_trees_close(metrics["loss"], ref_loss)
   assert float(metrics["weight"]) == float(lengths.sum())
@@ -84,7 +84,9 @@ def test_zero_weight_microbatch_contributes_nothing_even_nan():
   batch = token_batch(jax.random.key(2), lengths=lengths)
   mb1 = ga.microbatch(batch, 1, K)
   assert bool(jnp.isnan(token_mean_loss(params, mb1)))
-  ref_loss, ref_grads = jax.value_and_grad(token_mean_loss)(params, batch)  # NaN-free: 0 tokens add 0
+  ref_loss, ref_grads = jax.value_and_grad(token_mean_loss)(
+    params, batch
+  )  # NaN-free: 0 tokens add 0
   assert np.isfinite(float(ref_loss))
 
   loss, grads = ga.value_and_grad(token_mean_loss, K, weight_fn=num_tokens)(params, batch)
@@ -93,7 +95,7 @@ def test_zero_weight_microbatch_contributes_nothing_even_nan():
 
   tx = ga.accumulate(optax.sgd(0.1), K)
   new_params, state, metrics = ga.train_step(token_mean_loss, tx, weight_fn=num_tokens)(
-      params, tx.init(params), batch
+    params, tx.init(params), batch
   )
   assert bool(metrics["updated"]) and int(state.num_skipped) == 0
   assert_trees_close(new_params, jax.tree.map(lambda p, g: p - 0.1 * g, params, ref_grads))
@@ -158,7 +160,7 @@ def test_schedules_and_counters_advance_once_per_window():
     assert int(state.inner_state.count) == windows  # inject_hyperparams' step counter
     assert int(state.inner_state.inner_state[0].count) == windows  # adam's count
     assert float(state.inner_state.hyperparams["learning_rate"]) == pytest.approx(
-        float(schedule(windows - 1))
+      float(schedule(windows - 1))
     )
     assert_trees_close(p, ref_params)
 
@@ -260,7 +262,10 @@ def test_fp32_accumulator_beats_bf16_accumulation():
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(g_fp32acc))
 
   def rel_err(g):
-    num = sum(jnp.sum((a.astype(jnp.float32) - b) ** 2) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True))
+    num = sum(
+      jnp.sum((a.astype(jnp.float32) - b) ** 2)
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True)
+    )
     return float(jnp.sqrt(num) / optax.tree.norm(ref))
 
   err32, err16 = rel_err(g_fp32acc), rel_err(g_bf16acc)
@@ -344,7 +349,10 @@ def test_each_microbatch_gets_fold_in_of_its_index():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)
   rng = jax.random.key(42)
-  ref = [jax.value_and_grad(noisy_loss)(params, ga.microbatch(batch, i, K), jax.random.fold_in(rng, i)) for i in range(K)]
+  ref = [
+    jax.value_and_grad(noisy_loss)(params, ga.microbatch(batch, i, K), jax.random.fold_in(rng, i))
+    for i in range(K)
+  ]
   ref_loss = sum(r[0] for r in ref) / K
   ref_grads = jax.tree.map(lambda *g: sum(g) / K, *[r[1] for r in ref])
 
