@@ -162,11 +162,16 @@ class MicrobatchedGrad:
         aux_sum,
         aux,
       )
-      weight = weight + (1.0 if w is None else jnp.where(w > 0, w, 0.0))
+      if w is not None:
+        weight = weight + jnp.where(w > 0, w, 0.0)
       return (acc, weight, loss_sum, aux_sum), None
 
-    init = (acc_init, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux0)
+    # Unweighted, the total weight is the constant k: nothing to carry.
+    weight0 = None if self.weight_fn is None else jnp.zeros((), jnp.float32)
+    init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0)
     (acc, weight, loss_sum, aux_sum), _ = jax.lax.scan(body, init, jnp.arange(k))
+    if weight is None:
+      weight = jnp.asarray(k, jnp.float32)
     return Sums(acc, weight, loss_sum, aux_sum, loss_like, aux_like)
 
   def means(self, sums: Sums) -> tuple[jax.Array, Any]:
