@@ -3,6 +3,8 @@
 import importlib.metadata
 
 from gradaccum_jax._accumulate import AccumulateState as AccumulateState
+from gradaccum_jax._accumulate import DynamicLossScale as DynamicLossScale
+from gradaccum_jax._accumulate import LossScaleState as LossScaleState
 from gradaccum_jax._accumulate import accumulate as accumulate
 from gradaccum_jax._accumulate import has_updated as has_updated
 from gradaccum_jax._microbatch import microbatch as microbatch

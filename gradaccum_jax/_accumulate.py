@@ -35,6 +35,8 @@ class AccumulateState(NamedTuple):
     acc_weight: the summed weight ``sum_i w_i`` of the open window (float32).
     inner_state: the state of the inner optimizer, which only changes when a
       window is applied.
+    loss_scale: a :class:`LossScaleState` with dynamic loss scaling
+      (``accumulate(..., loss_scale=ga.DynamicLossScale())``), else None.
   """
 
   micro_step: jax.Array
@@ -44,6 +46,63 @@ class AccumulateState(NamedTuple):
   acc_grads: Updates
   acc_weight: jax.Array
   inner_state: OptState
+  loss_scale: LossScaleState | None = None
+
+
+class LossScaleState(NamedTuple):
+  """State of dynamic loss scaling: the scale and the applied windows since it last changed."""
+
+  scale: jax.Array  # float32
+  good_windows: jax.Array  # int32
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """Dynamic loss scaling for float16 training, updated once per window.
+
+  The loss is multiplied by ``scale`` before differentiation (``ga.train_step``
+  does it; in streaming mode differentiate ``loss * state.loss_scale.scale``),
+  and the accumulated gradient is divided by it before the inner optimizer. The
+  scale is constant within a window. A window whose gradient overflows (Inf or
+  NaN) is skipped and the scale divided by ``factor`` (not below
+  ``min_scale``); after ``period`` applied windows in a row it is multiplied by
+  ``factor``.
+
+  Attributes:
+    initial_scale: the scale to start from.
+    period: applied windows without overflow before the scale grows.
+    factor: how much the scale shrinks or grows at a time.
+    min_scale: the scale never goes below this.
+  """
+
+  initial_scale: float = 2.0**15
+  period: int = 2000
+  factor: float = 2.0
+  min_scale: float = 1.0
+
+  def __post_init__(self):
+    if not (self.initial_scale > 0 and self.min_scale > 0 and self.factor > 1 and self.period >= 1):
+      raise ValueError(
+        f"DynamicLossScale needs initial_scale > 0, min_scale > 0, factor > 1 and period >= 1,"
+        f" got {self}."
+      )
+
+  def init(self) -> LossScaleState:
+    return LossScaleState(jnp.asarray(self.initial_scale, jnp.float32), jnp.zeros((), jnp.int32))
+
+  def next(self, state: LossScaleState, finite: jax.Array, nonempty: jax.Array) -> LossScaleState:
+    grown = state.good_windows + 1 >= self.period
+    scale = jnp.where(
+      finite,
+      jnp.where(grown, state.scale * self.factor, state.scale),
+      jnp.maximum(state.scale / self.factor, self.min_scale),
+    )
+    good = jnp.where(finite & ~grown, state.good_windows + 1, 0)
+    # An empty window (total weight 0) says nothing about overflow.
+    return LossScaleState(
+      jnp.where(nonempty, scale, state.scale).astype(jnp.float32),
+      jnp.where(nonempty, good, state.good_windows).astype(jnp.int32),
+    )
 
 
 def has_updated(state: AccumulateState) -> jax.Array:
@@ -172,6 +231,7 @@ class _Accumulator:
   num_microbatches: NumMicrobatches
   accum_dtype: Any
   skip_nonfinite: bool
+  loss_scale: DynamicLossScale | None = None
 
   def init(self, params: Params) -> AccumulateState:
     return AccumulateState(
@@ -182,6 +242,7 @@ class _Accumulator:
       acc_grads=zeros_accumulator(params, self.accum_dtype),
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=self.inner.init(params),
+      loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
     )
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
@@ -202,17 +263,23 @@ class _Accumulator:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
     Returns the updates and the new state. A window with zero total weight, or a non-finite mean
-    gradient when ``skip_nonfinite``, is voided: zero updates, inner state
-    kept. The selection is a ``jnp.where``, not a ``lax.cond``, so the inner
+    gradient when ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state
+    kept. With loss scaling, ``acc_grads`` holds scaled gradients. The selection is a ``jnp.where``, not a ``lax.cond``, so the inner
     optimizer runs exactly once and XLA keeps one copy of its state.
     """
     nonempty = acc_weight > 0
     denom = jnp.where(nonempty, acc_weight, 1.0)
+    if state.loss_scale is not None:
+      denom = denom * state.loss_scale.scale
     mean = jax.tree.map(lambda a, g: (a / denom).astype(g.dtype), acc_grads, grad_like)
     updates, inner_state = self.inner.update(mean, state.inner_state, params, **extra_args)
     ok = nonempty
-    if self.skip_nonfinite:
-      ok = ok & _tree_all_finite(mean)
+    loss_scale = state.loss_scale
+    if self.skip_nonfinite or self.loss_scale is not None:
+      finite = _tree_all_finite(mean)
+      ok = ok & finite
+      if self.loss_scale is not None:
+        loss_scale = self.loss_scale.next(state.loss_scale, finite, nonempty)
     updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
     inner_state = jax.tree.map(
       lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
@@ -225,6 +292,7 @@ class _Accumulator:
       acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
+      loss_scale=loss_scale,
     )
     return updates, new_state
 
@@ -275,6 +343,7 @@ def accumulate(
   *,
   accum_dtype: Any = jnp.float32,
   skip_nonfinite: bool = True,
+  loss_scale: DynamicLossScale | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
@@ -309,6 +378,10 @@ def accumulate(
       (from any of its micro-batches) is voided: zero updates, inner state
       unchanged, ``num_skipped`` incremented. A window whose total weight is
       zero is always voided.
+    loss_scale: a :class:`DynamicLossScale` for float16 training: the state
+      carries the scale (``state.loss_scale.scale``), ``train_step`` scales the
+      loss by it, the accumulated gradient is unscaled before ``inner``, and a
+      window that overflows is skipped and the scale lowered, once per window.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -351,11 +424,14 @@ def accumulate(
     raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
+  if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+    raise TypeError(f"loss_scale must be a ga.DynamicLossScale or None, got {loss_scale!r}.")
   acc = _Accumulator(
     inner=optax.with_extra_args_support(inner),
     num_microbatches=k,
     accum_dtype=accum_dtype,
     skip_nonfinite=bool(skip_nonfinite),
+    loss_scale=loss_scale,
   )
   return optax.GradientTransformationExtraArgs(acc.init, acc.update)
 

@@ -15,6 +15,7 @@ from gradaccum_jax._accumulate import (
   weighted_add,
   zeros_accumulator,
 )
+from gradaccum_jax._model_state import ModelStatePlan, check_batchnorm, check_state_like
 
 
 def check_batch(batch: Any, num_microbatches: int) -> int:
@@ -78,12 +79,26 @@ class Sums(NamedTuple):
   weight: jax.Array  # sum_i w_i over this batch's micro-batches (float32)
   loss: jax.Array  # sum_i w_i L_i (float32)
   aux: Any  # float leaves: sum_i w_i aux_i; integer leaves: sum_i aux_i
+  model_state: Any  # the model state after the window (None without has_state)
   loss_like: Any  # jax.ShapeDtypeStruct of one micro-batch's loss
   aux_like: Any  # ... and of its aux
 
 
 def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+  return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+
+
+def check_remat(remat: Any) -> Any:
+  if remat is None or isinstance(remat, bool) or callable(remat):
+    return remat
+  raise TypeError(
+    f"{remat=} must be a bool or a jax.checkpoint policy (e.g."
+    " jax.checkpoint_policies.dots_with_no_batch_dims_saveable)."
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,22 +109,45 @@ class MicrobatchedGrad:
   num_microbatches: int
   has_aux: bool
   weight_fn: Callable[[Any], Any] | None
+  has_state: bool = False
+  batchnorm: str = "sequential"
+  batchnorm_momentum: float | None = None
+  remat: Any = False
+  compute_dtype: Any = None
 
-  def _loss_and_aux(self, params, mb, key):
-    out = self.loss_fn(params, mb) if key is None else self.loss_fn(params, mb, key)
-    if self.has_aux:
+  def __post_init__(self):
+    check_batchnorm(self.batchnorm, self.batchnorm_momentum, self.has_state)
+    check_remat(self.remat)
+
+  def _parse(self, out: Any) -> tuple[Any, Any, Any]:
+    """Splits loss_fn's output into (loss, aux, new_model_state)."""
+    what = "(loss, aux)" if self.has_aux else "loss"
+    if self.has_state:
+      what = "(loss, (aux, new_model_state))" if self.has_aux else "(loss, new_model_state)"
+    if self.has_aux or self.has_state:
       if not (isinstance(out, tuple | list) and len(out) == 2):
-        raise TypeError(
-          f"With has_aux=True, loss_fn must return a pair (loss, aux), got {type(out).__name__}."
+        flags = " and ".join(
+          n for n, f in (("has_aux", self.has_aux), ("has_state", self.has_state)) if f
         )
-      loss, aux = out
+        raise TypeError(
+          f"With {flags}=True, loss_fn must return a pair {what}, got {type(out).__name__}."
+        )
+      loss, rest = out
+      if self.has_state and self.has_aux:
+        if not (isinstance(rest, tuple | list) and len(rest) == 2):
+          raise TypeError(f"With has_aux and has_state, loss_fn must return {what}.")
+        aux, new_state = rest
+      elif self.has_state:
+        aux, new_state = None, rest
+      else:
+        aux, new_state = rest, None
     elif isinstance(out, tuple | list):
       raise TypeError(
         f"loss_fn returned a {type(out).__name__} of length {len(out)}; if it returns"
-        " (loss, aux), pass has_aux=True."
+        " (loss, aux), pass has_aux=True (and has_state=True for (loss, new_model_state))."
       )
     else:
-      loss, aux = out, None
+      loss, aux, new_state = out, None, None
     if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
       raise TypeError(f"loss_fn must return a scalar array, got {type(loss).__name__}.")
     if jnp.shape(loss) != ():
@@ -118,7 +156,19 @@ class MicrobatchedGrad:
         "loss_fn must return a scalar: the mean loss over its micro-batch; got"
         f" shape {jnp.shape(loss)}.{hint}"
       )
-    return loss, aux
+    return loss, aux, new_state
+
+  def _objective(self, params, model_state, mb, key, scale):
+    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
+    if self.compute_dtype is not None:
+      params = _cast_floats(params, self.compute_dtype)
+    args = (params, model_state, mb) if self.has_state else (params, mb)
+    out = self.loss_fn(*args) if key is None else self.loss_fn(*args, key)
+    loss, aux, new_state = self._parse(out)
+    if self.has_state:
+      check_state_like(new_state, model_state)
+    scaled = loss.astype(jnp.float32) if scale is None else loss.astype(jnp.float32) * scale
+    return scaled, (loss, aux, new_state)
 
   def sums(
     self,
@@ -126,31 +176,42 @@ class MicrobatchedGrad:
     batch: Any,
     rng: jax.Array | None,
     acc_init: Any,
+    model_state: Any = None,
+    scale: jax.Array | None = None,
   ) -> Sums:
-    """Scans the micro-batches, adding ``w_i g_i`` to ``acc_init``."""
+    """Scans the micro-batches, adding ``w_i * scale * g_i`` to ``acc_init``."""
     k = self.num_microbatches
     check_batch(batch, k)
-    grad_fn = jax.value_and_grad(self._loss_and_aux, has_aux=True)
+    objective = self._objective
+    if self.remat:
+      objective = jax.checkpoint(objective, policy=None if self.remat is True else self.remat)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    plan = (
+      ModelStatePlan.make(model_state, self.batchnorm, self.batchnorm_momentum)
+      if self.has_state
+      else None
+    )
 
-    def one(i):
+    def one(i, carried_state):
       mb = microbatch(batch, i, k)
       key = None if rng is None else jax.random.fold_in(rng, i)
-      (loss, aux), grads = grad_fn(params, mb, key)
+      start = None if plan is None else plan.for_microbatch(carried_state, model_state)
+      (_, (loss, aux, new_state)), grads = grad_fn(params, start, mb, key, scale)
       if self.weight_fn is None:
         w = None
       else:
         w = check_weight(self.weight_fn(mb), "the value of weight_fn(microbatch)")
-      return loss, aux, grads, w
+      return loss, aux, new_state, grads, w
 
-    loss_like, aux_like, _, _ = jax.eval_shape(one, 0)
+    loss_like, aux_like, _, _, _ = jax.eval_shape(one, 0, model_state)
     aux0 = jax.tree.map(
       lambda s: jnp.zeros(s.shape, jnp.float32 if _is_float(s) else _int_acc_dtype(s)),
       aux_like,
     )
 
     def body(carry, i):
-      acc, weight, loss_sum, aux_sum = carry
-      loss, aux, grads, w = one(i)
+      acc, weight, loss_sum, aux_sum, mstate, stats = carry
+      loss, aux, new_state, grads, w = one(i, mstate)
       acc = weighted_add(acc, grads, w)
       loss_sum = weighted_add(loss_sum, loss, w)
       aux_sum = jax.tree.map(
@@ -164,15 +225,20 @@ class MicrobatchedGrad:
       )
       if w is not None:
         weight = weight + jnp.where(w > 0, w, 0.0)
-      return (acc, weight, loss_sum, aux_sum), None
+      if plan is not None:
+        stats = plan.add(stats, new_state, model_state)
+      return (acc, weight, loss_sum, aux_sum, new_state, stats), None
 
     # Unweighted, the total weight is the constant k: nothing to carry.
     weight0 = None if self.weight_fn is None else jnp.zeros((), jnp.float32)
-    init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0)
-    (acc, weight, loss_sum, aux_sum), _ = jax.lax.scan(body, init, jnp.arange(k))
+    stats0 = None if plan is None else plan.stats0(model_state)
+    init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0, model_state, stats0)
+    (acc, weight, loss_sum, aux_sum, mstate, stats), _ = jax.lax.scan(body, init, jnp.arange(k))
     if weight is None:
       weight = jnp.asarray(k, jnp.float32)
-    return Sums(acc, weight, loss_sum, aux_sum, loss_like, aux_like)
+    if plan is not None:
+      mstate = plan.finish(mstate, stats, model_state, k)
+    return Sums(acc, weight, loss_sum, aux_sum, mstate, loss_like, aux_like)
 
   def means(self, sums: Sums) -> tuple[jax.Array, Any]:
     """The weighted mean loss and aux, in the dtypes ``loss_fn`` returned."""
@@ -183,6 +249,12 @@ class MicrobatchedGrad:
       sums.aux_like,
     )
     return loss, aux
+
+  def output(self, loss: jax.Array, aux: Any, model_state: Any) -> Any:
+    """The value part in the shape loss_fn returns it."""
+    if self.has_state:
+      return (loss, (aux, model_state)) if self.has_aux else (loss, model_state)
+    return (loss, aux) if self.has_aux else loss
 
 
 def _int_acc_dtype(s: Any) -> Any:
@@ -201,6 +273,11 @@ def value_and_grad(
   has_aux: bool = False,
   weight_fn: Callable[[Any], Any] | None = None,
   accum_dtype: Any = jnp.float32,
+  has_state: bool = False,
+  batchnorm: str = "sequential",
+  batchnorm_momentum: float | None = None,
+  remat: Any = False,
+  compute_dtype: Any = None,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -238,11 +315,39 @@ def value_and_grad(
     accum_dtype: dtype of the gradient accumulator (float32 by default);
       ``None`` uses the gradients' dtype. Gradients are returned in the
       params' dtype.
+    has_state: whether ``loss_fn(params, model_state, microbatch[, rng])``
+      takes a mutable model state (flax ``batch_stats``, counters) and returns
+      ``(loss, new_model_state)`` (``(loss, (aux, new_model_state))`` with
+      ``has_aux``). The state flows through the micro-batches as ``batchnorm``
+      says; the function then takes ``(params, model_state, batch, rng=None)``.
+    batchnorm: with ``has_state``, how BatchNorm running statistics (pairs of
+      leaves named ``mean`` and ``var``) are updated. ``"sequential"``: each
+      micro-batch updates them in turn (k running-average updates per window,
+      i.e. ghost batch norm with ghost size b). ``"per_window"``: each
+      micro-batch starts from the window's statistics and they are updated once
+      with the pooled mean and variance of the whole window (the variance of
+      the micro-batch means included; micro-batches count equally, whatever
+      their weight). ``"frozen"``: left unchanged (fine-tuning). In every mode
+      the normalization itself uses each micro-batch's own statistics when the
+      model is in training mode: exact large-batch BatchNorm would need the
+      whole batch's activations at once. Prefer GroupNorm or LayerNorm, which
+      are per-example and so exact under accumulation, when you can.
+    batchnorm_momentum: the momentum ``m`` of the running averages (``new = m
+      * old + (1 - m) * batch_stat``; flax's default is 0.99); needed by
+      ``"per_window"``.
+    remat: ``True`` or a ``jax.checkpoint`` policy to rematerialize the
+      micro-batch forward pass in the backward pass (less activation memory,
+      about one more forward pass of compute).
+    compute_dtype: if set (e.g. ``jnp.bfloat16``), float params are cast to it
+      before ``loss_fn`` sees them; gradients still come back in the params'
+      dtype (fp32 master weights) and are accumulated in ``accum_dtype``.
 
   Returns:
     A function ``(params, batch, rng=None) -> (loss, grads)``, or ``((loss,
-    aux), grads)`` with ``has_aux``. Micro-batch ``i`` gets the key
-    ``jax.random.fold_in(rng, i)``.
+    aux), grads)`` with ``has_aux``; with ``has_state``, ``(params,
+    model_state, batch, rng=None) -> ((loss, new_model_state), grads)`` or
+    ``((loss, (aux, new_model_state)), grads)``. Micro-batch ``i`` gets the
+    key ``jax.random.fold_in(rng, i)``.
 
   Raises:
     TypeError, ValueError: eagerly for a bad ``num_microbatches``; at call
@@ -265,14 +370,34 @@ def value_and_grad(
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
-  mg = MicrobatchedGrad(loss_fn, k, bool(has_aux), weight_fn)
+  mg = MicrobatchedGrad(
+    loss_fn,
+    k,
+    bool(has_aux),
+    weight_fn,
+    has_state=bool(has_state),
+    batchnorm=batchnorm,
+    batchnorm_momentum=batchnorm_momentum,
+    remat=remat,
+    compute_dtype=compute_dtype,
+  )
 
-  def vg(params, batch, rng=None):
-    s = mg.sums(params, batch, rng, zeros_accumulator(params, accum_dtype))
+  def compute(params, model_state, batch, rng):
+    s = mg.sums(params, batch, rng, zeros_accumulator(params, accum_dtype), model_state)
     grads = jax.tree.map(
       lambda a, p: safe_mean(a, s.weight).astype(jnp.result_type(p)), s.grads, params
     )
     loss, aux = mg.means(s)
-    return ((loss, aux) if has_aux else loss), grads
+    return mg.output(loss, aux, s.model_state), grads
+
+  if has_state:
+
+    def vg_state(params, model_state, batch, rng=None):
+      return compute(params, model_state, batch, rng)
+
+    return vg_state
+
+  def vg(params, batch, rng=None):
+    return compute(params, None, batch, rng)
 
   return vg

@@ -25,6 +25,11 @@ def train_step(
   weight_fn: Callable[[Any], Any] | None = None,
   donate: bool = False,
   jit: bool = True,
+  has_state: bool = False,
+  batchnorm: str = "sequential",
+  batchnorm_momentum: float | None = None,
+  remat: Any = False,
+  compute_dtype: Any = None,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -53,6 +58,12 @@ def train_step(
       place (halves their memory; the arrays passed in are then invalid).
     jit: return the step jitted (default) or as a plain traceable function, to
       be called inside your own ``jax.jit``, ``shard_map`` or ``lax.scan``.
+    has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
+      ``(loss, new_model_state)`` (or ``(loss, (aux, new_model_state))``); the
+      step is then ``step(params, model_state, state, batch, rng=None) ->
+      (params, model_state, state, metrics)``.
+    batchnorm, batchnorm_momentum, remat, compute_dtype: as in
+      :func:`value_and_grad`.
 
   Returns:
     ``step(params, state, batch, rng=None) -> (params, state, metrics)``, where
@@ -85,30 +96,59 @@ def train_step(
   """
   acc = get_accumulator(tx)
   k = check_num_microbatches(acc.num_microbatches, allow_schedule=False)
-  mg = MicrobatchedGrad(loss_fn, k, bool(has_aux), weight_fn)
+  mg = MicrobatchedGrad(
+    loss_fn,
+    k,
+    bool(has_aux),
+    weight_fn,
+    has_state=bool(has_state),
+    batchnorm=batchnorm,
+    batchnorm_momentum=batchnorm_momentum,
+    remat=remat,
+    compute_dtype=compute_dtype,
+  )
 
-  def step(params, state, batch, rng=None):
+  def fused(params, model_state, state, batch, rng):
     if not isinstance(state, AccumulateState):
       raise TypeError(
         f"state must be tx.init(params) for the tx given to train_step (an"
         f" AccumulateState), got {type(state).__name__}."
       )
     check_same_structure(params, state.acc_grads, "params")
-    sums = mg.sums(params, batch, rng, state.acc_grads)
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+    sums = mg.sums(params, batch, rng, state.acc_grads, model_state, scale)
     weight = state.acc_weight + sums.weight
     updates, new_state = acc.close(sums.grads, weight, state, params, params, {})
     new_params = optax.apply_updates(params, updates)
     loss, aux = mg.means(sums)
     metrics = {
       "loss": loss,
-      "grad_norm": safe_mean(optax.tree.norm(sums.grads), weight),
+      "grad_norm": safe_mean(
+        optax.tree.norm(sums.grads), weight * (1.0 if scale is None else scale)
+      ),
       "weight": sums.weight,
       "updated": new_state.updated,
     }
     if has_aux:
       metrics["aux"] = aux
-    return new_params, new_state, metrics
+    if state.loss_scale is not None:
+      metrics["loss_scale"] = scale
+    return new_params, sums.model_state, new_state, metrics
 
+  if has_state:
+
+    def step_with_state(params, model_state, state, batch, rng=None):
+      return fused(params, model_state, state, batch, rng)
+
+    step = step_with_state
+    donate_argnums = (0, 1, 2)
+  else:
+
+    def step(params, state, batch, rng=None):
+      new_params, _, new_state, metrics = fused(params, None, state, batch, rng)
+      return new_params, new_state, metrics
+
+    donate_argnums = (0, 1)
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  return jax.jit(step, donate_argnums=donate_argnums if donate else ())

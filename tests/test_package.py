@@ -8,7 +8,16 @@ from gradaccum_jax.__main__ import main
 
 def test_public_names_are_reexported():
   assert sorted(ga.__all__) == sorted(
-    ["AccumulateState", "accumulate", "has_updated", "microbatch", "train_step", "value_and_grad"]
+    [
+      "AccumulateState",
+      "DynamicLossScale",
+      "LossScaleState",
+      "accumulate",
+      "has_updated",
+      "microbatch",
+      "train_step",
+      "value_and_grad",
+    ]
   )
   for name in ga.__all__:
     obj = getattr(ga, name)

@@ -1,0 +1,174 @@
+"""Mutable model state through the micro-batch scan, and the BatchNorm modes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+BATCHNORM_MODES = ("sequential", "per_window", "frozen")
+
+
+def check_batchnorm(batchnorm: str, momentum: float | None, has_state: bool) -> None:
+  if batchnorm not in BATCHNORM_MODES:
+    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
+  if batchnorm != "sequential" and not has_state:
+    raise ValueError(
+      f"{batchnorm=} needs the model state: pass has_state=True and a loss_fn(params,"
+      " model_state, microbatch) that returns the new model state."
+    )
+  if batchnorm == "per_window":
+    if momentum is None or not 0.0 <= float(momentum) < 1.0:
+      raise ValueError(
+        f"batchnorm='per_window' needs batchnorm_momentum, the momentum m of the running"
+        f" averages (new = m * old + (1 - m) * batch statistic, 0 <= m < 1; flax's default is"
+        f" 0.99), got {momentum!r}."
+      )
+
+
+def _key_name(entry: Any) -> Any:
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return getattr(entry, attr)
+  return entry
+
+
+def batchnorm_leaves(model_state: Any) -> list[str | None]:
+  """For each leaf: ``"mean"``/``"var"`` for BatchNorm running statistics, else None.
+
+  A BatchNorm's statistics are a pair of leaves named ``mean`` and ``var`` with the same
+  parent, as in flax (Linen ``batch_stats`` and NNX ``BatchNorm``).
+  """
+  paths = [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_leaves_with_path(model_state)]
+  present = set(paths)
+  kinds = []
+  for path in paths:
+    name = path[-1] if path else None
+    other = {"mean": "var", "var": "mean"}.get(name) if isinstance(name, str) else None
+    kinds.append(name if other and path[:-1] + (other,) in present else None)
+  return kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStatePlan:
+  """How the model state flows through the micro-batches of one window.
+
+  ``sequential``: threaded through the micro-batches (k running-average updates per
+  window: ghost batch norm). ``frozen``: the BatchNorm statistics are the same for
+  every micro-batch and left unchanged; other leaves are threaded. ``per_window``: every
+  micro-batch starts from the window's BatchNorm statistics, and the running averages
+  are updated once with the pooled statistics of the whole window; other leaves are
+  threaded.
+  """
+
+  mode: str
+  momentum: float | None
+  kinds: tuple[str | None, ...]
+  var_to_mean: tuple[int | None, ...]
+
+  @classmethod
+  def make(cls, model_state: Any, mode: str, momentum: float | None) -> ModelStatePlan:
+    kinds = tuple(batchnorm_leaves(model_state))
+    if mode != "sequential" and not any(kinds):
+      raise ValueError(
+        f"batchnorm={mode!r} but the model state has no BatchNorm statistics (pairs of leaves"
+        f" named 'mean' and 'var', e.g. flax's 'batch_stats' collection). Structure:"
+        f" {jax.tree.structure(model_state)}. Use batchnorm='sequential' for other state."
+      )
+    paths = [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_leaves_with_path(model_state)]
+    index = {p: i for i, p in enumerate(paths)}
+    var_to_mean = tuple(
+      index[paths[i][:-1] + ("mean",)] if kind == "var" else None for i, kind in enumerate(kinds)
+    )
+    return cls(mode, momentum, kinds, var_to_mean)
+
+  def _is_bn(self, i: int) -> bool:
+    return self.mode != "sequential" and self.kinds[i] is not None
+
+  def for_microbatch(self, carried: Any, initial: Any) -> Any:
+    """The state micro-batch i starts from."""
+    if self.mode == "sequential":
+      return carried
+    c, treedef = jax.tree.flatten(carried)
+    s = jax.tree.leaves(initial)
+    return treedef.unflatten([s[i] if self._is_bn(i) else c[i] for i in range(len(c))])
+
+  def stats0(self, initial: Any) -> Any:
+    """Running sums for per_window: (sum of new values, sum of squared mean shifts)."""
+    if self.mode != "per_window":
+      return None
+    leaves = jax.tree.leaves(initial)
+    return [
+      (jnp.zeros(jnp.shape(x), jnp.float32), jnp.zeros(jnp.shape(x), jnp.float32))
+      if self.kinds[i]
+      else None
+      for i, x in enumerate(leaves)
+    ]
+
+  def add(self, stats: Any, new: Any, initial: Any) -> Any:
+    if self.mode != "per_window":
+      return None
+    n, s = jax.tree.leaves(new), jax.tree.leaves(initial)
+    out = []
+    for i, st in enumerate(stats):
+      if st is None:
+        out.append(None)
+        continue
+      x = n[i].astype(jnp.float32)
+      shift = x - s[i].astype(jnp.float32)
+      out.append((st[0] + x, st[1] + shift * shift))
+    return out
+
+  def finish(self, carried: Any, stats: Any, initial: Any, num_microbatches: int) -> Any:
+    """The model state after the window."""
+    if self.mode == "sequential":
+      return carried
+    c, treedef = jax.tree.flatten(carried)
+    s = jax.tree.leaves(initial)
+    out = list(c)
+    k = float(num_microbatches)
+    for i, kind in enumerate(self.kinds):
+      if kind is None:
+        continue
+      if self.mode == "frozen":
+        out[i] = s[i]
+        continue
+      mean_new = stats[i][0] / k
+      if kind == "var":
+        # mean_i(new_var_i) is the EMA of the mean micro-batch variance; the pooled
+        # variance adds the variance of the micro-batch means mu_i. With
+        # new_mean_i = m * old + (1 - m) * mu_i, var_i(new_mean_i) = (1 - m)^2 var_i(mu_i).
+        j = self.var_to_mean[i]
+        shift_mean = stats[j][0] / k - s[j].astype(jnp.float32)
+        var_of_new_means = jnp.maximum(stats[j][1] / k - shift_mean**2, 0.0)
+        mean_new = mean_new + var_of_new_means / (1.0 - self.momentum)
+      out[i] = mean_new.astype(jnp.result_type(s[i]))
+    return treedef.unflatten(out)
+
+
+def check_state_like(new_state: Any, model_state: Any) -> None:
+  """The loss must return a model state with the structure, shapes and dtypes it was given."""
+  if new_state is None and model_state is not None:
+    raise TypeError(
+      "With has_state=True, loss_fn must return (loss, new_model_state) (or (loss, (aux,"
+      " new_model_state)) with has_aux), but the new model state is None. Return the"
+      " updated state, e.g. the 'batch_stats' from module.apply(..., mutable=['batch_stats'])."
+    )
+  ndef, odef = jax.tree.structure(new_state), jax.tree.structure(model_state)
+  if ndef != odef:
+    raise ValueError(
+      "The model state returned by loss_fn has another structure than the one it was given;"
+      " it must stay the same across micro-batches.\n"
+      f"  given:    {odef}\n  returned: {ndef}"
+    )
+  for (path, n), o in zip(
+    jax.tree_util.tree_leaves_with_path(new_state), jax.tree.leaves(model_state), strict=True
+  ):
+    if jnp.shape(n) != jnp.shape(o) or jnp.result_type(n) != jnp.result_type(o):
+      raise ValueError(
+        f"The model state leaf {jax.tree_util.keystr(path)} came back as"
+        f" {jnp.result_type(n)}{list(jnp.shape(n))}, but was given as"
+        f" {jnp.result_type(o)}{list(jnp.shape(o))}; it must keep its shape and dtype."
+      )
