@@ -18,6 +18,8 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = (
   "AccumulateState",
+  "DynamicLossScale",
+  "LossScaleState",
   "accumulate",
   "has_updated",
   "microbatch",
