@@ -67,3 +67,20 @@ def test_step_time_smoke(tmp_path):
     assert name in md
   assert "train_step / (plain(b) + acc)" in md
   assert result["machine"]["jax"] in md
+
+
+def test_memory_smoke(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/memory.py", "--smoke", "--out", str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads((tmp_path / "memory.json").read_text())
+  rows = result["results"]
+  assert any("remat=True" in name for name in rows) and any("bf16" in name for name in rows)
+  for r in rows.values():
+    assert r["total_mib"] >= r["temp_mib"] >= 0 and r["compile_s"] > 0
+  assert "| configuration |" in (tmp_path / "memory.md").read_text()
