@@ -1,0 +1,197 @@
+"""The fused accumulation step for Flax NNX modules and ``nnx.Optimizer``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gradaccum_jax._accumulate import get_accumulator
+from gradaccum_jax._microbatch import check_remat
+from gradaccum_jax._model_state import BATCHNORM_MODES, batchnorm_leaves
+from gradaccum_jax._train_step import train_step
+
+
+def _batchnorm_momentum(model: Any, nnx: Any) -> float:
+  """The one momentum of every ``nnx.BatchNorm`` in ``model``, for ``batchnorm='per_window'``."""
+  found = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.BatchNorm):
+      found["/".join(map(str, path)) or "<model>"] = node.momentum
+  if not found:
+    raise ValueError(
+      f"batchnorm='per_window' needs nnx.BatchNorm layers, but the {type(model).__name__} has"
+      " none. Use batchnorm='sequential' (the default) for a model without BatchNorm."
+    )
+  momenta = set(map(float, found.values()))
+  if len(momenta) > 1:
+    listing = ", ".join(f"{path}: {m}" for path, m in found.items())
+    raise ValueError(
+      "batchnorm='per_window' updates all running statistics with one momentum, but the"
+      f" nnx.BatchNorm layers have different ones ({listing}). Give them the same momentum,"
+      " or use batchnorm='sequential'."
+    )
+  (momentum,) = momenta
+  if not 0.0 <= momentum < 1.0:
+    raise ValueError(
+      f"batchnorm='per_window' needs a BatchNorm momentum m with 0 <= m < 1, got {momentum}."
+    )
+  return momentum
+
+
+def nnx_train_step(
+  loss_fn: Callable[..., Any],
+  *,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  batchnorm: str = "sequential",
+  remat: Any = False,
+) -> Callable[..., dict[str, Any]]:
+  r"""A jitted accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
+
+  ``step(model, optimizer, batch) -> metrics`` is :func:`train_step` for NNX:
+  ``optimizer`` is ``nnx.Optimizer(model, ga.accumulate(inner, k), wrt=...)``,
+  ``batch`` is split into its ``k`` micro-batches (micro-batch ``i`` holds rows
+  ``i, i + k, ...``), their gradients with respect to the variables the
+  optimizer trains (its ``wrt`` filter) are scanned into the accumulator of
+  ``optimizer.opt_state``, and the window is closed with one ``inner`` update,
+  all in one ``nnx.jit`` program. The step updates ``model`` and ``optimizer``
+  in place: the trained variables, the model's other state (BatchNorm
+  statistics, ``nnx.Rngs`` counters, any other ``nnx.Variable``) and the
+  optimizer state.
+
+  Inside, the model is split into its trained variables and the rest, and the
+  rest is threaded through the micro-batches as the model state of
+  ``train_step(..., has_state=True)``; ``batchnorm`` says how the running
+  statistics of ``nnx.BatchNorm`` layers (their ``mean`` and ``var``) are
+  updated. Any other state, the ``nnx.Rngs`` counters included, is threaded in
+  every mode: micro-batch ``i`` sees the counters left by micro-batch ``i - 1``,
+  so each micro-batch draws its own dropout masks, as ``k`` calls of the model
+  in a row would, and the counters advance by the ``k`` calls.
+
+  Randomness comes from the ``nnx.Rngs`` held by the model (e.g.
+  ``nnx.Dropout(0.1, rngs=rngs)``); ``loss_fn`` gets no key.
+
+  Step counters: ``optimizer.step`` advances by 1 per call of ``step``, one
+  window, as ``optimizer.opt_state.count`` (windows closed) does. In streaming
+  mode, ``optimizer.update(model, grads)`` once per micro-batch advances
+  ``optimizer.step`` per micro-batch (``k`` per window), while
+  ``opt_state.count`` and the inner optimizer's schedules still count windows.
+  Read ``optimizer.opt_state.count`` for the number of optimizer steps when you
+  mix the two. A window voided for a non-finite gradient (see
+  :func:`accumulate`) still advances both counters and the model state.
+
+  Args:
+    loss_fn: ``loss_fn(model, microbatch)`` returning the scalar mean loss over
+      the micro-batch, or ``(loss, aux)`` with ``has_aux``. The model is in
+      the mode you set (``model.train()`` or ``model.eval()``).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged
+      over the micro-batches with their weights (integer leaves summed), as in
+      :func:`value_and_grad`.
+    weight_fn: ``weight_fn(microbatch) -> scalar`` weight of a micro-batch,
+      e.g. its number of non-padding tokens; ``None`` weighs all equally.
+    batchnorm: how the running statistics of BatchNorm layers are updated:
+      ``"sequential"`` (each micro-batch updates them in turn: ``k`` updates
+      per window), ``"per_window"`` (once per window with the pooled mean and
+      variance of the whole batch, with the momentum of the model's
+      ``nnx.BatchNorm`` layers, which must all have the same) or ``"frozen"``
+      (left unchanged). The normalization itself uses each micro-batch's own
+      statistics in every mode (see :func:`value_and_grad`).
+    remat: ``True`` or a ``jax.checkpoint`` policy to recompute the
+      micro-batch forward pass in the backward pass.
+
+  Returns:
+    ``step(model, optimizer, batch) -> metrics``, jitted with ``nnx.jit``;
+    ``metrics`` holds ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"``
+    and, with ``has_aux``, ``"aux"``, as in :func:`train_step`.
+
+  Raises:
+    ValueError: eagerly for an unknown ``batchnorm``; at the first call, for
+      ``"per_window"`` on a model without ``nnx.BatchNorm`` or with BatchNorm
+      layers of different momenta, ``"frozen"`` on a model without BatchNorm
+      statistics, or a batch whose size ``k`` does not divide.
+    TypeError: at the first call, if ``optimizer`` is not an ``nnx.Optimizer``
+      whose ``tx`` is made by :func:`accumulate`, or ``loss_fn`` does not
+      return what ``has_aux`` says.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import gradaccum_jax as ga
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> tx = ga.accumulate(optax.adam(1e-2), num_microbatches=4)
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> def loss_fn(model, batch):
+    ...   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    >>> step = ga.nnx_train_step(loss_fn)
+    >>> batch = {"x": jnp.ones((32, 3)), "y": jnp.ones((32, 1))}
+    >>> metrics = step(model, optimizer, batch)  # 4 micro-batches of 8, one update
+    >>> int(optimizer.step[...]), int(optimizer.opt_state.count[...])
+    (1, 1)
+  """
+  from flax import nnx  # flax is an optional dependency: import it when used
+
+  if batchnorm not in BATCHNORM_MODES:
+    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be a function loss_fn(model, microbatch), got {loss_fn!r}.")
+  check_remat(remat)
+  has_aux = bool(has_aux)
+
+  def step(model, optimizer, batch):
+    if not isinstance(optimizer, nnx.Optimizer):
+      raise TypeError(
+        f"optimizer must be an nnx.Optimizer(model, ga.accumulate(inner, k), wrt=nnx.Param),"
+        f" got {type(optimizer).__name__}."
+      )
+    get_accumulator(optimizer.tx)  # a TypeError that says to wrap the optimizer
+    wrt, graph = optimizer.wrt, optimizer.graph
+    momentum = _batchnorm_momentum(model, nnx) if batchnorm == "per_window" else None
+    graphdef, params, rest = nnx.split(model, wrt, ..., graph=graph)
+    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+    if batchnorm == "frozen" and not any(batchnorm_leaves(rest)):
+      raise ValueError(
+        f"batchnorm='frozen' but the {type(model).__name__} has no BatchNorm statistics"
+        " (variables named 'mean' and 'var' side by side, as in nnx.BatchNorm) outside the"
+        " trained variables. Use batchnorm='sequential' (the default)."
+      )
+
+    def pure_loss(params, rest, microbatch):
+      m = nnx.merge(graphdef, params, rest)
+      out = loss_fn(m, microbatch)
+      if has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+          raise TypeError(
+            f"With has_aux=True, loss_fn(model, microbatch) must return (loss, aux), got"
+            f" {type(out).__name__}."
+          )
+      elif isinstance(out, tuple | list):
+        raise TypeError(
+          f"loss_fn(model, microbatch) returned a {type(out).__name__} of length {len(out)};"
+          " if it returns (loss, aux), pass has_aux=True."
+        )
+      _, _, new_rest = nnx.split(m, wrt, ..., graph=graph)
+      new_rest = nnx.as_pure(new_rest)
+      if has_aux:
+        loss, aux = out
+        return loss, (aux, new_rest)
+      return out, new_rest
+
+    fused = train_step(
+      pure_loss,
+      optimizer.tx,
+      has_aux=has_aux,
+      weight_fn=weight_fn,
+      jit=False,
+      has_state=True,
+      batchnorm=batchnorm,
+      batchnorm_momentum=momentum,
+      remat=remat,
+    )
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    new_params, new_rest, new_opt_state, metrics = fused(params, rest, opt_state, batch)
+    nnx.update(model, new_params, new_rest)
+    nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=graph))
+    optimizer.step[...] += 1
+    return metrics
+
+  return nnx.jit(step)
