@@ -7,8 +7,10 @@ from gradaccum_jax._accumulate import DynamicLossScale as DynamicLossScale
 from gradaccum_jax._accumulate import LossScaleState as LossScaleState
 from gradaccum_jax._accumulate import accumulate as accumulate
 from gradaccum_jax._accumulate import has_updated as has_updated
+from gradaccum_jax._flax import linen_train_step as linen_train_step
 from gradaccum_jax._microbatch import microbatch as microbatch
 from gradaccum_jax._microbatch import value_and_grad as value_and_grad
+from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
 from gradaccum_jax._train_step import train_step as train_step
 
 try:
@@ -22,7 +24,9 @@ __all__ = (
   "LossScaleState",
   "accumulate",
   "has_updated",
+  "linen_train_step",
   "microbatch",
+  "nnx_train_step",
   "train_step",
   "value_and_grad",
 )

@@ -14,7 +14,9 @@ def test_public_names_are_reexported():
       "LossScaleState",
       "accumulate",
       "has_updated",
+      "linen_train_step",
       "microbatch",
+      "nnx_train_step",
       "train_step",
       "value_and_grad",
     ]
