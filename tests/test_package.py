@@ -34,3 +34,13 @@ def test_demo_runs_and_agrees(capsys):
   out = capsys.readouterr().out
   assert "| plain batch of 32 |" in out and "| ga.train_step 4 x 8 |" in out
   assert "the runs agree" in out
+
+
+def test_import_needs_no_flax():
+  """flax is an optional extra: the package imports without it."""
+  import subprocess
+  import sys
+
+  code = "import sys; sys.modules['flax'] = None; import gradaccum_jax as ga; print(ga.train_step)"
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
