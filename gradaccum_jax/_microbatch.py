@@ -16,6 +16,7 @@ from gradaccum_jax._accumulate import (
   zeros_accumulator,
 )
 from gradaccum_jax._model_state import ModelStatePlan, check_batchnorm, check_state_like
+from gradaccum_jax._sharding import make_data_parallel, sharded_sums, to_varying
 
 
 def check_batch(batch: Any, num_microbatches: int) -> int:
@@ -114,6 +115,8 @@ class MicrobatchedGrad:
   batchnorm_momentum: float | None = None
   remat: Any = False
   compute_dtype: Any = None
+  data_parallel: Any = None  # a _sharding.DataParallel: scan per device, reduce once
+  vary_axes: tuple[str, ...] = ()  # inside shard_map: the axes to make the carry vary over
 
   def __post_init__(self):
     check_batchnorm(self.batchnorm, self.batchnorm_momentum, self.has_state)
@@ -180,12 +183,16 @@ class MicrobatchedGrad:
     scale: jax.Array | None = None,
   ) -> Sums:
     """Scans the micro-batches, adding ``w_i * scale * g_i`` to ``acc_init``."""
+    if self.data_parallel is not None:
+      return sharded_sums(self, params, batch, rng, acc_init, model_state, scale)
     k = self.num_microbatches
     check_batch(batch, k)
     objective = self._objective
     if self.remat:
       objective = jax.checkpoint(objective, policy=None if self.remat is True else self.remat)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
+    if self.vary_axes:  # per-device gradients: no psum of the cotangents inside the loop
+      params = to_varying(params, self.vary_axes)
     plan = (
       ModelStatePlan.make(model_state, self.batchnorm, self.batchnorm_momentum)
       if self.has_state
@@ -233,6 +240,8 @@ class MicrobatchedGrad:
     weight0 = None if self.weight_fn is None else jnp.zeros((), jnp.float32)
     stats0 = None if plan is None else plan.stats0(model_state)
     init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0, model_state, stats0)
+    if self.vary_axes:
+      init = to_varying(init, self.vary_axes)
     (acc, weight, loss_sum, aux_sum, mstate, stats), _ = jax.lax.scan(body, init, jnp.arange(k))
     if weight is None:
       weight = jnp.asarray(k, jnp.float32)
@@ -278,6 +287,9 @@ def value_and_grad(
   batchnorm_momentum: float | None = None,
   remat: Any = False,
   compute_dtype: Any = None,
+  mesh: Any = None,
+  data_axis: str | tuple[str, ...] | None = None,
+  param_specs: Any = None,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -341,17 +353,34 @@ def value_and_grad(
     compute_dtype: if set (e.g. ``jnp.bfloat16``), float params are cast to it
       before ``loss_fn`` sees them; gradients still come back in the params'
       dtype (fp32 master weights) and are accumulated in ``accum_dtype``.
+    mesh: a ``jax.sharding.Mesh`` to accumulate data-parallel over: every
+      device splits its own rows of the batch into the ``k`` micro-batches and
+      accumulates locally, with no collective inside the loop, and the sums are
+      reduced once after it. The global batch size must be a multiple of
+      (devices on ``data_axis``) x ``k``; the result equals the single-device
+      one (see :func:`train_step` for the details and the trade-offs). Call
+      the function under ``jax.jit``, not inside your own ``shard_map``.
+    data_axis: the mesh axis (or tuple of axes) the batch's leading dimension
+      is sharded over; ``"data"`` by default. Needs ``mesh``.
+    param_specs: a ``PartitionSpec`` or a pytree prefix of the params with
+      ``PartitionSpec`` leaves: the params are sharded (FSDP/ZeRO style) over
+      data axes, gathered once before the scan, and the gradients are
+      reduce-scattered into this sharding once after it. ``None``: the params
+      are replicated. Needs ``mesh``.
 
   Returns:
     A function ``(params, batch, rng=None) -> (loss, grads)``, or ``((loss,
     aux), grads)`` with ``has_aux``; with ``has_state``, ``(params,
     model_state, batch, rng=None) -> ((loss, new_model_state), grads)`` or
     ``((loss, (aux, new_model_state)), grads)``. Micro-batch ``i`` gets the
-    key ``jax.random.fold_in(rng, i)``.
+    key ``jax.random.fold_in(rng, i)`` (with ``mesh``, ``rng`` is first
+    folded with the device's index on the data axes).
 
   Raises:
-    TypeError, ValueError: eagerly for a bad ``num_microbatches``; at call
-      (trace) time when the batch size is not divisible by ``k``, when batch
+    TypeError, ValueError: eagerly for a bad ``num_microbatches``, or a
+      ``mesh`` that lacks ``data_axis``; at call
+      (trace) time when the batch size is not divisible by ``k`` (by
+      devices x ``k`` with ``mesh``), when batch
       leaves have different leading dimensions, or when the loss or a weight
       is not a scalar.
 
@@ -370,6 +399,7 @@ def value_and_grad(
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
+  dp = make_data_parallel(mesh, data_axis, param_specs, "value_and_grad")
   mg = MicrobatchedGrad(
     loss_fn,
     k,
@@ -380,6 +410,7 @@ def value_and_grad(
     batchnorm_momentum=batchnorm_momentum,
     remat=remat,
     compute_dtype=compute_dtype,
+    data_parallel=dp,
   )
 
   def compute(params, model_state, batch, rng):

@@ -15,6 +15,7 @@ from gradaccum_jax._accumulate import (
   get_accumulator,
 )
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
+from gradaccum_jax._sharding import make_data_parallel, place_params
 
 
 def train_step(
@@ -30,6 +31,9 @@ def train_step(
   batchnorm_momentum: float | None = None,
   remat: Any = False,
   compute_dtype: Any = None,
+  mesh: Any = None,
+  data_axis: str | tuple[str, ...] | None = None,
+  param_specs: Any = None,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -64,6 +68,67 @@ def train_step(
       (params, model_state, state, metrics)``.
     batchnorm, batchnorm_momentum, remat, compute_dtype: as in
       :func:`value_and_grad`.
+    mesh: a ``jax.sharding.Mesh`` to train data-parallel over (see below).
+    data_axis: the mesh axis, or tuple of axes, the batch's leading dimension
+      is sharded over; ``"data"`` by default. Needs ``mesh``.
+    param_specs: with ``mesh``, the params' layout: ``None`` (replicated) or
+      a ``PartitionSpec`` / pytree prefix of the params with ``PartitionSpec``
+      leaves sharding at most one dimension of each param over data axes
+      (FSDP/ZeRO style, e.g. ``P("data")`` on the leading dimension).
+
+  Data parallelism: with ``mesh``, the scan runs under ``jax.shard_map``. Each
+  device splits its own ``B / D`` rows (``D`` devices on ``data_axis``) into
+  the ``k`` micro-batches with the same strided rule, so its micro-batch ``i``
+  is exactly its share of the global micro-batch ``i``, and accumulates their
+  gradients with no collective inside the loop (params and accumulator are
+  cast to device-varying, so differentiating replicated params inserts no
+  ``psum``). After the loop the sums are reduced once, the gradients of
+  replicated params, the loss, the weight (with ``weight_fn``) and the aux
+  sums in one ``psum``, which XLA emits as one all-reduce whatever ``k``. The
+  window is closed outside the ``shard_map`` on the reduced gradient. Weights
+  are global: ``weight_fn`` is called on each device's micro-batch and the
+  normalizer is the sum over all devices and micro-batches, so for a token
+  count the result equals the single-device step on the whole batch (as for
+  any weight that adds up over rows). Unweighted, each device's micro-batch
+  weighs ``1 / D``, so the global micro-batch weighs 1 and ``metrics["weight"]``
+  is ``k``, as on one device (a window left open by streaming calls mixes in
+  correctly). ``B`` must be a multiple of ``D x k``. ``rng`` is folded with
+  the device index (on the data axes) before the micro-batch index
+  (``fold_in(fold_in(rng, d), i)``), so devices draw different keys.
+  With ``has_state``, every device threads the model state through its own
+  micro-batches (BatchNorm sees per-device micro-batches of ``b / D`` rows),
+  and after the loop float leaves are averaged over the devices
+  (``pmean``: running BatchNorm statistics) and integer leaves take their
+  maximum (counters, equal on all devices). Call the step under ``jit`` (the
+  default), not inside your own ``shard_map``.
+
+  Layouts, memory and communication per window, for ``P`` parameter bytes:
+
+  - replicated params (``param_specs=None``): every device holds the params,
+    the optimizer state, the fp32 accumulator of ``state`` and one full
+    local accumulator during the window; one all-reduce of ``P`` (ring: about
+    ``2P`` bytes sent per device) per window, against ``k`` for a plain
+    ``jit`` of a scan (GSPMD reduces inside the loop) or for PyTorch DDP
+    without ``no_sync``. The inner optimizer runs replicated.
+  - sharded params (``param_specs``): params, optimizer state and
+    ``state.acc_grads`` are stored ``1/D`` per device; the params are
+    all-gathered once before the scan and stay gathered for the window, the
+    local accumulator is full size, and after the loop one reduce-scatter
+    per sharded param returns each device its ``1/D`` share of the summed
+    gradient: ``P`` gathered plus ``P`` reduce-scattered per window, the
+    bytes of one all-reduce, independent of ``k``. The inner optimizer runs on
+    the shards (GSPMD; a global-norm clip adds a scalar all-reduce). PyTorch
+    FSDP under ``no_sync`` likewise keeps full-size gradients between
+    micro-steps; without it, and DeepSpeed ZeRO-2, reduce-scatter every
+    micro-step (``k`` times the traffic, ``1/D`` gradient memory), and
+    ZeRO-3/FSDP full sharding re-gathers the params for every forward and
+    backward pass (``2k`` all-gathers, ``1/D`` params memory). The trade here
+    is full-size params and accumulator during the window for ``k`` times
+    less communication.
+
+  Make the state with ``tx.init`` on the params already placed with their
+  sharding (its ``zeros_like`` keeps it), or ``jax.device_put`` it; the new
+  params and accumulator are constrained to ``param_specs``.
 
   Returns:
     ``step(params, state, batch, rng=None) -> (params, state, metrics)``, where
@@ -76,9 +141,11 @@ def train_step(
   Raises:
     TypeError: if ``tx`` is not from :func:`accumulate`, or its
       ``num_microbatches`` is a schedule.
-    ValueError: at the first call, for a batch whose size is not divisible by
-      ``k`` or whose leaves differ in leading dimension, or a ``state`` that
-      does not match ``params``.
+    ValueError: if ``mesh`` lacks ``data_axis``. At the first call, for a
+      batch whose size is not divisible by ``k`` (by devices x ``k`` with
+      ``mesh``) or whose leaves differ in leading dimension, a ``state`` that
+      does not match ``params``, or ``param_specs`` that do not fit the
+      params.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -96,6 +163,7 @@ def train_step(
   """
   acc = get_accumulator(tx)
   k = check_num_microbatches(acc.num_microbatches, allow_schedule=False)
+  dp = make_data_parallel(mesh, data_axis, param_specs, "train_step")
   mg = MicrobatchedGrad(
     loss_fn,
     k,
@@ -106,6 +174,7 @@ def train_step(
     batchnorm_momentum=batchnorm_momentum,
     remat=remat,
     compute_dtype=compute_dtype,
+    data_parallel=dp,
   )
 
   def fused(params, model_state, state, batch, rng):
@@ -119,7 +188,9 @@ def train_step(
     sums = mg.sums(params, batch, rng, state.acc_grads, model_state, scale)
     weight = state.acc_weight + sums.weight
     updates, new_state = acc.close(sums.grads, weight, state, params, params, {})
-    new_params = optax.apply_updates(params, updates)
+    new_params = place_params(dp, optax.apply_updates(params, updates))
+    if dp is not None:
+      new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
     loss, aux = mg.means(sums)
     metrics = {
       "loss": loss,

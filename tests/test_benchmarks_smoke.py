@@ -84,3 +84,28 @@ def test_memory_smoke(tmp_path):
   for r in rows.values():
     assert r["total_mib"] >= r["temp_mib"] >= 0 and r["compile_s"] > 0
   assert "| configuration |" in (tmp_path / "memory.md").read_text()
+
+
+def test_sharding_smoke(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/sharding.py", "--smoke", "--out", str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads((tmp_path / "sharding.json").read_text())
+  assert result["config"]["smoke"] is True and result["config"]["devices"] == 8
+  for run in result["runs"]:
+    methods = run["methods"]
+    assert set(methods) == {"naive", "ga", "ga_sharded"}
+    for stats in methods.values():
+      assert stats["median_ms"] > 0
+      assert stats["first_window_max_abs_diff_vs_naive"] < 1e-4
+    # The baseline reduces inside the loop; ours never does, and reduces once after it.
+    assert methods["naive"]["collectives"]["in_loop"]
+    assert not methods["ga"]["collectives"]["in_loop"]
+    assert methods["ga"]["collectives"]["outside_loop"] == {"all-reduce": 1}
+    assert not methods["ga_sharded"]["collectives"]["in_loop"]
+  assert "| naive |" in (tmp_path / "sharding.md").read_text()
