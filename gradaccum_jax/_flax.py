@@ -68,7 +68,6 @@ def linen_train_step(
   inputs: str | Callable[[Any], Any] = "x",
   train_kwargs: dict[str, Any] | None = None,
   rng_collections: Sequence[str] = ("dropout",),
-  remat: Any = False,
   donate: bool = False,
   jit: bool = True,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
@@ -127,8 +126,6 @@ def linen_train_step(
       With ``step(..., rng=key)``, micro-batch ``i`` gives the ``j``-th
       collection the key ``fold_in(fold_in(key, i), j)``. Pass a fresh
       ``key`` every step (e.g. ``fold_in(key, train_state.step)``).
-    remat: ``True`` or a ``jax.checkpoint`` policy to rematerialize each
-      micro-batch's forward pass.
     donate: donate ``train_state`` to the step (its arrays are then invalid).
     jit: return the step jitted (default), or traceable, to call inside your
       own ``jax.jit``.
@@ -340,7 +337,6 @@ def linen_train_step(
       has_state=True,
       batchnorm=batchnorm,
       batchnorm_momentum=None if momentum is None else float(momentum),
-      remat=remat,
     )
     params, new_stats, opt_state, metrics = inner(
       train_state.params, stats, train_state.opt_state, batch, rng

@@ -93,15 +93,6 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
 
 
-def check_remat(remat: Any) -> Any:
-  if remat is None or isinstance(remat, bool) or callable(remat):
-    return remat
-  raise TypeError(
-    f"{remat=} must be a bool or a jax.checkpoint policy (e.g."
-    " jax.checkpoint_policies.dots_with_no_batch_dims_saveable)."
-  )
-
-
 @dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
   """A loss function and how to sum its gradients over micro-batches."""
@@ -113,14 +104,12 @@ class MicrobatchedGrad:
   has_state: bool = False
   batchnorm: str = "sequential"
   batchnorm_momentum: float | None = None
-  remat: Any = False
   compute_dtype: Any = None
   data_parallel: Any = None  # a _sharding.DataParallel: scan per device, reduce once
   vary_axes: tuple[str, ...] = ()  # inside shard_map: the axes to make the carry vary over
 
   def __post_init__(self):
     check_batchnorm(self.batchnorm, self.batchnorm_momentum, self.has_state)
-    check_remat(self.remat)
 
   def _parse(self, out: Any) -> tuple[Any, Any, Any]:
     """Splits loss_fn's output into (loss, aux, new_model_state)."""
@@ -187,10 +176,7 @@ class MicrobatchedGrad:
       return sharded_sums(self, params, batch, rng, acc_init, model_state, scale)
     k = self.num_microbatches
     check_batch(batch, k)
-    objective = self._objective
-    if self.remat:
-      objective = jax.checkpoint(objective, policy=None if self.remat is True else self.remat)
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if self.vary_axes:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, self.vary_axes)
     plan = (
@@ -285,7 +271,6 @@ def value_and_grad(
   has_state: bool = False,
   batchnorm: str = "sequential",
   batchnorm_momentum: float | None = None,
-  remat: Any = False,
   compute_dtype: Any = None,
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
@@ -347,9 +332,6 @@ def value_and_grad(
     batchnorm_momentum: the momentum ``m`` of the running averages (``new = m
       * old + (1 - m) * batch_stat``; flax's default is 0.99); needed by
       ``"per_window"``.
-    remat: ``True`` or a ``jax.checkpoint`` policy to rematerialize the
-      micro-batch forward pass in the backward pass (less activation memory,
-      about one more forward pass of compute).
     compute_dtype: if set (e.g. ``jnp.bfloat16``), float params are cast to it
       before ``loss_fn`` sees them; gradients still come back in the params'
       dtype (fp32 master weights) and are accumulated in ``accum_dtype``.
@@ -408,7 +390,6 @@ def value_and_grad(
     has_state=bool(has_state),
     batchnorm=batchnorm,
     batchnorm_momentum=batchnorm_momentum,
-    remat=remat,
     compute_dtype=compute_dtype,
     data_parallel=dp,
   )

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum_jax._accumulate import get_accumulator
-from gradaccum_jax._microbatch import check_remat
 from gradaccum_jax._model_state import BATCHNORM_MODES, batchnorm_leaves
 from gradaccum_jax._train_step import train_step
 
@@ -44,7 +43,6 @@ def nnx_train_step(
   has_aux: bool = False,
   weight_fn: Callable[[Any], Any] | None = None,
   batchnorm: str = "sequential",
-  remat: Any = False,
 ) -> Callable[..., dict[str, Any]]:
   r"""A jitted accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -96,8 +94,6 @@ def nnx_train_step(
       ``nnx.BatchNorm`` layers, which must all have the same) or ``"frozen"``
       (left unchanged). The normalization itself uses each micro-batch's own
       statistics in every mode (see :func:`value_and_grad`).
-    remat: ``True`` or a ``jax.checkpoint`` policy to recompute the
-      micro-batch forward pass in the backward pass.
 
   Returns:
     ``step(model, optimizer, batch) -> metrics``, jitted with ``nnx.jit``;
@@ -134,7 +130,6 @@ def nnx_train_step(
     raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be a function loss_fn(model, microbatch), got {loss_fn!r}.")
-  check_remat(remat)
   has_aux = bool(has_aux)
 
   def step(model, optimizer, batch):
@@ -185,7 +180,6 @@ def nnx_train_step(
       has_state=True,
       batchnorm=batchnorm,
       batchnorm_momentum=momentum,
-      remat=remat,
     )
     opt_state = nnx.as_pure(optimizer.opt_state)
     new_params, new_rest, new_opt_state, metrics = fused(params, rest, opt_state, batch)

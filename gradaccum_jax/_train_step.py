@@ -29,7 +29,6 @@ def train_step(
   has_state: bool = False,
   batchnorm: str = "sequential",
   batchnorm_momentum: float | None = None,
-  remat: Any = False,
   compute_dtype: Any = None,
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
@@ -66,7 +65,7 @@ def train_step(
       ``(loss, new_model_state)`` (or ``(loss, (aux, new_model_state))``); the
       step is then ``step(params, model_state, state, batch, rng=None) ->
       (params, model_state, state, metrics)``.
-    batchnorm, batchnorm_momentum, remat, compute_dtype: as in
+    batchnorm, batchnorm_momentum, compute_dtype: as in
       :func:`value_and_grad`.
     mesh: a ``jax.sharding.Mesh`` to train data-parallel over (see below).
     data_axis: the mesh axis, or tuple of axes, the batch's leading dimension
@@ -172,7 +171,6 @@ def train_step(
     has_state=bool(has_state),
     batchnorm=batchnorm,
     batchnorm_momentum=batchnorm_momentum,
-    remat=remat,
     compute_dtype=compute_dtype,
     data_parallel=dp,
   )

@@ -80,7 +80,7 @@ def test_memory_smoke(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.loads((tmp_path / "memory.json").read_text())
   rows = result["results"]
-  assert any("remat=True" in name for name in rows) and any("bf16" in name for name in rows)
+  assert any("checkpoint" in name for name in rows) and any("bf16" in name for name in rows)
   for r in rows.values():
     assert r["total_mib"] >= r["temp_mib"] >= 0 and r["compile_s"] > 0
   assert "| configuration |" in (tmp_path / "memory.md").read_text()
