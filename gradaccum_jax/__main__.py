@@ -51,6 +51,13 @@ def loss_fn(params, batch):
 
 
 def main(argv: list[str] | None = None) -> int:
+  # Full float32 matmuls, so that the two runs differ only by summation order (GPUs default to
+  # TF32-like precision for float32 dots).
+  with jax.default_matmul_precision("float32"):
+    return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
   parser = argparse.ArgumentParser(
     prog="python -m gradaccum_jax", description=__doc__.split("\n")[0]
   )
