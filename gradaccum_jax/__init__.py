@@ -5,9 +5,15 @@ import importlib.metadata
 from gradaccum_jax._accumulate import AccumulateState as AccumulateState
 from gradaccum_jax._accumulate import DynamicLossScale as DynamicLossScale
 from gradaccum_jax._accumulate import LossScaleState as LossScaleState
+from gradaccum_jax._accumulate import NoiseScaleState as NoiseScaleState
 from gradaccum_jax._accumulate import accumulate as accumulate
 from gradaccum_jax._accumulate import has_updated as has_updated
+from gradaccum_jax._accumulate import noise_scale as noise_scale
+from gradaccum_jax._autosize import auto_microbatch as auto_microbatch
+from gradaccum_jax._autosize import step_memory as step_memory
 from gradaccum_jax._flax import linen_train_step as linen_train_step
+from gradaccum_jax._lr import scale_adam_hyperparams as scale_adam_hyperparams
+from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate
 from gradaccum_jax._microbatch import microbatch as microbatch
 from gradaccum_jax._microbatch import value_and_grad as value_and_grad
 from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
@@ -22,11 +28,17 @@ __all__ = (
   "AccumulateState",
   "DynamicLossScale",
   "LossScaleState",
+  "NoiseScaleState",
   "accumulate",
+  "auto_microbatch",
   "has_updated",
   "linen_train_step",
   "microbatch",
   "nnx_train_step",
+  "noise_scale",
+  "scale_adam_hyperparams",
+  "scale_learning_rate",
+  "step_memory",
   "train_step",
   "value_and_grad",
 )

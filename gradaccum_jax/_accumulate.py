@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,6 +38,8 @@ class AccumulateState(NamedTuple):
       window is applied.
     loss_scale: a :class:`LossScaleState` with dynamic loss scaling
       (``accumulate(..., loss_scale=ga.DynamicLossScale())``), else None.
+    noise_scale: a :class:`NoiseScaleState` with the gradient noise scale
+      estimate (``accumulate(..., noise_scale_ema=0.99)``), else None.
   """
 
   micro_step: jax.Array
@@ -47,6 +50,129 @@ class AccumulateState(NamedTuple):
   acc_weight: jax.Array
   inner_state: OptState
   loss_scale: LossScaleState | None = None
+  noise_scale: NoiseScaleState | None = None
+
+
+class NoiseScaleState(NamedTuple):
+  r"""State of the gradient noise scale estimate (McCandlish et al., 2018).
+
+  Each closed window with ``n >= 2`` micro-batches of positive weight gives
+  unbiased estimates of :math:`|G|^2` (the squared norm of the true gradient)
+  and :math:`\mathrm{tr}(\Sigma)` (the trace of the per-example gradient
+  covariance), see :func:`accumulate`; their exponential moving averages are
+  kept separately and :func:`noise_scale` returns their ratio
+  :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
+
+  Attributes:
+    g2_ema: EMA of the per-window estimates of :math:`|G|^2`, started at 0
+      (float32). Divide by ``1 - decay ** count`` for the bias-corrected value,
+      as in Adam; the correction cancels in :func:`noise_scale`.
+    trace_ema: EMA of the per-window estimates of :math:`\mathrm{tr}(\Sigma)`
+      (float32), likewise started at 0.
+    count: windows averaged into the EMAs (int32).
+    sq_sum: :math:`\sum_i w_i |g_i|^2` over the micro-batches of the open
+      window, as they were differentiated (times the loss scale squared)
+      (float32).
+    num: the number of micro-batches of positive weight in the open window;
+      with data parallelism, of per-device micro-batches (float32).
+    examples: the number of examples in the open window: the summed weights,
+      or ``k * b`` for an unweighted ``train_step`` (float32).
+  """
+
+  g2_ema: jax.Array
+  trace_ema: jax.Array
+  count: jax.Array
+  sq_sum: jax.Array
+  num: jax.Array
+  examples: jax.Array
+
+
+def sq_norm(tree: Any) -> jax.Array:
+  """The squared global norm of ``tree``, in float32."""
+  leaves = jax.tree.leaves(tree)
+  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
+
+
+def add_noise_sums(
+  ns: NoiseScaleState, sq: jax.Array, weight: jax.Array | None, examples: Any = 1.0
+) -> NoiseScaleState:
+  """Adds one micro-batch of squared gradient norm ``sq`` and weight ``weight`` (None: 1)."""
+  if weight is None:
+    return ns._replace(sq_sum=ns.sq_sum + sq, num=ns.num + 1.0, examples=ns.examples + examples)
+  pos = weight > 0
+  return ns._replace(
+    sq_sum=ns.sq_sum + jnp.where(pos, weight * sq, 0.0),
+    num=ns.num + pos.astype(jnp.float32),
+    examples=ns.examples + jnp.where(pos, weight, 0.0),
+  )
+
+
+def noise_estimates(
+  acc_grads: Updates, acc_weight: jax.Array, ns: NoiseScaleState, scale: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  r"""Unbiased estimates of :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)` from one window.
+
+  With :math:`W = \sum_i w_i`, :math:`A = \sum_i w_i |g_i|^2 / W`,
+  :math:`\bar g = \sum_i w_i g_i / W`, ``n`` micro-batches and ``N`` examples
+  (see :func:`accumulate` for the derivation):
+  :math:`|G|^2 \approx (n |\bar g|^2 - A) / (n - 1)` and
+  :math:`\mathrm{tr}(\Sigma) \approx N (A - |\bar g|^2) / (n - 1)`. Both are
+  NaN when ``n < 2`` or the window is empty.
+  """
+  valid = (ns.num > 1.5) & (acc_weight > 0)
+  weight = jnp.where(acc_weight > 0, acc_weight, 1.0)
+  denom = weight if scale is None else weight * scale  # acc_grads / denom is the mean gradient
+  gbar2 = sq_norm(jax.tree.map(lambda a: a.astype(jnp.float32) / denom, acc_grads))
+  mean_sq = ns.sq_sum / weight if scale is None else ns.sq_sum / weight / scale**2
+  n1 = jnp.where(valid, ns.num - 1.0, 1.0)
+  g2 = (ns.num * gbar2 - mean_sq) / n1
+  trace = ns.examples * (mean_sq - gbar2) / n1
+  nan = jnp.float32(jnp.nan)
+  return jnp.where(valid, g2, nan), jnp.where(valid, trace, nan)
+
+
+def noise_scale(state: AccumulateState) -> jax.Array:
+  r"""The simple gradient noise scale :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
+
+  The ratio of the moving averages in ``state.noise_scale`` (their bias
+  corrections cancel), in examples (or tokens, or whatever the weights count;
+  micro-batches for unweighted streaming calls). It is the batch size at which
+  the gradient noise equals the signal (McCandlish et al., 2018); NaN before
+  the first estimated window, and noisy (even negative) while the EMAs hold
+  few windows.
+
+  Args:
+    state: an :class:`AccumulateState` of ``ga.accumulate(...,
+      noise_scale_ema=decay)``.
+
+  Returns:
+    A float32 scalar array.
+
+  Raises:
+    TypeError: if ``state`` is not an :class:`AccumulateState`.
+    ValueError: if the state has no noise scale estimate.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.accumulate(optax.sgd(0.0), 2, noise_scale_ema=0.9)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for g in (jnp.array([3.0, 0.0]), jnp.array([1.0, 0.0])):
+    ...   _, state = tx.update(g, state, params, weight=1.0)
+    >>> # |gbar|^2 = 4, A = (9 + 1) / 2 = 5: |G|^2 ~ 2 * 4 - 5 = 3, tr(Sigma) ~ 2 * (5 - 4) = 2
+    >>> round(float(ga.noise_scale(state)), 4)
+    0.6667
+  """
+  if not isinstance(state, AccumulateState):
+    raise TypeError(f"noise_scale expects an AccumulateState, got {type(state).__name__}.")
+  if state.noise_scale is None:
+    raise ValueError(
+      "This state has no noise scale estimate: make the transformation with"
+      " ga.accumulate(inner, k, noise_scale_ema=0.99)."
+    )
+  ns = state.noise_scale
+  return ns.trace_ema / ns.g2_ema
 
 
 class LossScaleState(NamedTuple):
@@ -232,6 +358,7 @@ class _Accumulator:
   accum_dtype: Any
   skip_nonfinite: bool
   loss_scale: DynamicLossScale | None = None
+  noise_scale_ema: float | None = None
 
   def init(self, params: Params) -> AccumulateState:
     return AccumulateState(
@@ -243,6 +370,13 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=self.inner.init(params),
       loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
+      noise_scale=None
+      if self.noise_scale_ema is None
+      else NoiseScaleState(
+        *(jnp.zeros((), jnp.float32),) * 2,
+        jnp.zeros((), jnp.int32),
+        *(jnp.zeros((), jnp.float32),) * 3,
+      ),
     )
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
@@ -284,6 +418,22 @@ class _Accumulator:
     inner_state = jax.tree.map(
       lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
     )
+    noise = state.noise_scale
+    if noise is not None:
+      g2, trace = noise_estimates(
+        acc_grads, acc_weight, noise, None if state.loss_scale is None else state.loss_scale.scale
+      )
+      use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
+      d = self.noise_scale_ema
+      zero = jnp.zeros((), jnp.float32)
+      noise = NoiseScaleState(
+        g2_ema=jnp.where(use, d * noise.g2_ema + (1 - d) * g2, noise.g2_ema),
+        trace_ema=jnp.where(use, d * noise.trace_ema + (1 - d) * trace, noise.trace_ema),
+        count=jnp.where(use, optax.safe_increment(noise.count), noise.count),
+        sq_sum=zero,
+        num=zero,
+        examples=zero,
+      )
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -293,6 +443,7 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
       loss_scale=loss_scale,
+      noise_scale=noise,
     )
     return updates, new_state
 
@@ -313,6 +464,8 @@ class _Accumulator:
     w = None if weight is None else check_weight(weight)
     acc = weighted_add(state.acc_grads, grads, w)
     acc_weight = state.acc_weight + (1.0 if w is None else jnp.where(w > 0, w, 0.0))
+    if state.noise_scale is not None:
+      state = state._replace(noise_scale=add_noise_sums(state.noise_scale, sq_norm(grads), w))
     micro_step = optax.safe_increment(state.micro_step)
     grad_like = grads if params is None else params
 
@@ -344,6 +497,7 @@ def accumulate(
   accum_dtype: Any = jnp.float32,
   skip_nonfinite: bool = True,
   loss_scale: DynamicLossScale | None = None,
+  noise_scale_ema: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
@@ -382,6 +536,48 @@ def accumulate(
       carries the scale (``state.loss_scale.scale``), ``train_step`` scales the
       loss by it, the accumulated gradient is unscaled before ``inner``, and a
       window that overflows is skipped and the scale lowered, once per window.
+    noise_scale_ema: the decay ``d`` in ``[0, 1)`` (e.g. 0.99) of moving
+      averages of the gradient noise scale estimate, or ``None`` (off: nothing
+      extra is computed or stored). See below and :func:`noise_scale`.
+
+  Gradient noise scale: the micro-batch gradients of one window are
+  independent estimates of the gradient at the same params, so their spread
+  measures the gradient noise, for one squared norm per micro-batch (a scalar
+  sum, no extra gradient buffer). Assume micro-batch ``i`` has ``b_i``
+  examples and weight :math:`w_i = b_i` (``weight=`` / ``weight_fn`` counts
+  examples or tokens; unweighted, the ``train_step`` micro-batches all have
+  ``b`` rows), so :math:`g_i` has mean :math:`G` and covariance
+  :math:`\Sigma / b_i` (:math:`\Sigma`: the per-example gradient covariance).
+  With :math:`W = \sum_i b_i` examples in ``n`` micro-batches,
+  :math:`A = \sum_i w_i |g_i|^2 / W` and :math:`\bar g = \sum_i w_i g_i / W`:
+
+  .. math::
+    E[A] = |G|^2 + \sum_i \frac{w_i}{W} \frac{\mathrm{tr}\Sigma}{b_i}
+         = |G|^2 + \frac{n}{W} \mathrm{tr}\Sigma, \qquad
+    E|\bar g|^2 = |G|^2 + \sum_i \frac{w_i^2}{W^2} \frac{\mathrm{tr}\Sigma}{b_i}
+                = |G|^2 + \frac{1}{W} \mathrm{tr}\Sigma,
+
+  two linear equations whose solution gives the unbiased estimates
+
+  .. math::
+    \widehat{|G|^2} = \frac{n |\bar g|^2 - A}{n - 1}, \qquad
+    \widehat{\mathrm{tr}\Sigma} = \frac{W (A - |\bar g|^2)}{n - 1}.
+
+  For ``n`` equal micro-batches of ``b`` these are McCandlish et al.'s
+  :math:`(k|\bar g|^2 - m) / (k - 1)` and :math:`b k (m - |\bar g|^2) / (k - 1)`
+  with :math:`m` the mean of :math:`|g_i|^2`. (Weights that are not example
+  counts, with unequal :math:`b_i`, make them biased.) Micro-batches of
+  weight 0 do not count in ``n``. With data parallelism (``mesh=``) the
+  per-device micro-batches are the samples: ``n = k D`` of ``b / D`` examples
+  each (or their token counts), still independent with covariance
+  :math:`\Sigma / b_{i,d}`, so the same equations hold and the estimates stay
+  unbiased. Each applied window with ``n >= 2`` updates
+  ``state.noise_scale``'s separate EMAs of the two estimates; ``ga.noise_scale(
+  state)`` is the ratio :math:`B_\text{simple} = \mathrm{tr}\Sigma / |G|^2`,
+  in examples (tokens). ``train_step`` reports it with the window's raw
+  estimates. Unweighted streaming calls do not know ``b``: there each call
+  counts as one example, so ``tr(Sigma)`` and :math:`B_\text{simple}` are in
+  micro-batches (pass ``weight=`` the example count instead).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -390,7 +586,8 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: for a ``num_microbatches`` that is not a positive
-      int or a schedule; in ``update``, for grads whose structure or shapes
+      int or a schedule, or a ``noise_scale_ema`` outside ``[0, 1)``; in
+      ``update``, for grads whose structure or shapes
       differ from the params, or a non-scalar ``weight``.
 
   Examples:
@@ -418,6 +615,9 @@ def accumulate(
   References:
     Goyal et al., `Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour
     <https://arxiv.org/abs/1706.02677>`_, 2017.
+
+    McCandlish et al., `An Empirical Model of Large-Batch Training
+    <https://arxiv.org/abs/1812.06162>`_, 2018.
   """
   k = check_num_microbatches(num_microbatches, allow_schedule=True)
   if not isinstance(inner, optax.GradientTransformation):
@@ -426,12 +626,25 @@ def accumulate(
     accum_dtype = jnp.dtype(accum_dtype)
   if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
     raise TypeError(f"loss_scale must be a ga.DynamicLossScale or None, got {loss_scale!r}.")
+  if noise_scale_ema is not None:
+    if isinstance(noise_scale_ema, bool) or not isinstance(noise_scale_ema, numbers.Real):
+      raise TypeError(
+        f"noise_scale_ema must be a float decay in [0, 1) (e.g. 0.99) or None, got"
+        f" {noise_scale_ema!r} of type {type(noise_scale_ema).__name__}."
+      )
+    if not 0.0 <= noise_scale_ema < 1.0:
+      raise ValueError(
+        f"noise_scale_ema must be a decay in [0, 1) (e.g. 0.99; 0 keeps only the last"
+        f" window), got {noise_scale_ema!r}."
+      )
+    noise_scale_ema = float(noise_scale_ema)
   acc = _Accumulator(
     inner=optax.with_extra_args_support(inner),
     num_microbatches=k,
     accum_dtype=accum_dtype,
     skip_nonfinite=bool(skip_nonfinite),
     loss_scale=loss_scale,
+    noise_scale_ema=noise_scale_ema,
   )
   return optax.GradientTransformationExtraArgs(acc.init, acc.update)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from gradaccum_jax._accumulate import (
   check_num_microbatches,
   check_weight,
+  sq_norm,
   weighted_add,
   zeros_accumulator,
 )
@@ -83,6 +84,8 @@ class Sums(NamedTuple):
   model_state: Any  # the model state after the window (None without has_state)
   loss_like: Any  # jax.ShapeDtypeStruct of one micro-batch's loss
   aux_like: Any  # ... and of its aux
+  # With noise_scale: (sum_i w_i |g_i|^2, micro-batches of positive weight, examples), float32
+  noise: Any = None
 
 
 def _is_float(x: Any) -> bool:
@@ -107,6 +110,7 @@ class MicrobatchedGrad:
   compute_dtype: Any = None
   data_parallel: Any = None  # a _sharding.DataParallel: scan per device, reduce once
   vary_axes: tuple[str, ...] = ()  # inside shard_map: the axes to make the carry vary over
+  noise_scale: bool = False  # also sum w_i |g_i|^2 for the gradient noise scale (Sums.noise)
 
   def __post_init__(self):
     check_batchnorm(self.batchnorm, self.batchnorm_momentum, self.has_state)
@@ -175,7 +179,7 @@ class MicrobatchedGrad:
     if self.data_parallel is not None:
       return sharded_sums(self, params, batch, rng, acc_init, model_state, scale)
     k = self.num_microbatches
-    check_batch(batch, k)
+    batch_size = check_batch(batch, k)
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if self.vary_axes:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, self.vary_axes)
@@ -203,8 +207,14 @@ class MicrobatchedGrad:
     )
 
     def body(carry, i):
-      acc, weight, loss_sum, aux_sum, mstate, stats = carry
+      acc, weight, loss_sum, aux_sum, mstate, stats, noise = carry
       loss, aux, new_state, grads, w = one(i, mstate)
+      if noise is not None:  # sum_i w_i |g_i|^2 and, weighted, the micro-batches of weight > 0
+        sq = sq_norm(grads)
+        if w is None:
+          noise = (noise[0] + sq, None)
+        else:
+          noise = (noise[0] + jnp.where(w > 0, w * sq, 0.0), noise[1] + (w > 0).astype(jnp.float32))
       acc = weighted_add(acc, grads, w)
       loss_sum = weighted_add(loss_sum, loss, w)
       aux_sum = jax.tree.map(
@@ -220,20 +230,34 @@ class MicrobatchedGrad:
         weight = weight + jnp.where(w > 0, w, 0.0)
       if plan is not None:
         stats = plan.add(stats, new_state, model_state)
-      return (acc, weight, loss_sum, aux_sum, new_state, stats), None
+      return (acc, weight, loss_sum, aux_sum, new_state, stats, noise), None
 
     # Unweighted, the total weight is the constant k: nothing to carry.
     weight0 = None if self.weight_fn is None else jnp.zeros((), jnp.float32)
     stats0 = None if plan is None else plan.stats0(model_state)
-    init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0, model_state, stats0)
+    noise0 = None
+    if self.noise_scale:
+      noise0 = (
+        jnp.zeros((), jnp.float32),
+        None if self.weight_fn is None else jnp.zeros((), jnp.float32),
+      )
+    init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0, model_state, stats0, noise0)
     if self.vary_axes:
       init = to_varying(init, self.vary_axes)
-    (acc, weight, loss_sum, aux_sum, mstate, stats), _ = jax.lax.scan(body, init, jnp.arange(k))
+    (acc, weight, loss_sum, aux_sum, mstate, stats, noise), _ = jax.lax.scan(
+      body, init, jnp.arange(k)
+    )
+    if noise is not None:  # unweighted: k micro-batches of b = B / k examples
+      noise = (
+        (noise[0], jnp.asarray(k, jnp.float32), jnp.asarray(batch_size, jnp.float32))
+        if weight is None
+        else (noise[0], noise[1], weight)
+      )
     if weight is None:
       weight = jnp.asarray(k, jnp.float32)
     if plan is not None:
       mstate = plan.finish(mstate, stats, model_state, k)
-    return Sums(acc, weight, loss_sum, aux_sum, mstate, loss_like, aux_like)
+    return Sums(acc, weight, loss_sum, aux_sum, mstate, loss_like, aux_like, noise)
 
   def means(self, sums: Sums) -> tuple[jax.Array, Any]:
     """The weighted mean loss and aux, in the dtypes ``loss_fn`` returned."""

@@ -197,8 +197,9 @@ def sharded_sums(
   """``MicrobatchedGrad.sums`` over a mesh: a local scan per device, one reduction after it.
 
   Returns the ``Sums`` of the whole global batch: gradients replicated (or in
-  the params' sharding), added to ``acc_init``; weight, loss and aux summed
-  over devices; float model-state leaves averaged and integer ones maxed over
+  the params' sharding), added to ``acc_init``; weight, loss, aux and the
+  noise-scale sums (the per-device micro-batches are its samples) summed over
+  devices; float model-state leaves averaged and integer ones maxed over
   the devices where they differ.
   """
   from gradaccum_jax._microbatch import Sums  # a cycle at import time otherwise
@@ -231,8 +232,10 @@ def sharded_sums(
     weighted = mg.weight_fn is not None
     # One psum for everything replicated: XLA emits one (tuple) all-reduce.
     replicated = [g for g, p in zip(grads, plans, strict=True) if p.dim is None]
-    summed = jax.lax.psum((replicated, s.loss, s.weight if weighted else None, s.aux), axes)
-    replicated, loss, weight, aux = summed
+    summed = jax.lax.psum(
+      (replicated, s.loss, s.weight if weighted else None, s.aux, s.noise), axes
+    )
+    replicated, loss, weight, aux, noise = summed
     it = iter(replicated)
     out = []
     for g, p in zip(grads, plans, strict=True):
@@ -249,7 +252,9 @@ def sharded_sums(
         lambda x: x / dp.size if _is_float(x) else x, (grads, loss, aux)
       )
       weight = jnp.asarray(k, jnp.float32)
-    return grads, weight, loss, aux, _reduce_state(s.model_state, axes)
+      if noise is not None:  # sum_(i,d) w |g_(i,d)|^2 with w = 1 / D; k D samples; B examples
+        noise = (noise[0] / dp.size, *noise[1:])
+    return grads, weight, loss, aux, _reduce_state(s.model_state, axes), noise
 
   batch_spec = dp.batch_spec
   in_specs = (param_specs, batch_spec, P(), P(), P())
@@ -265,11 +270,11 @@ def sharded_sums(
     per_device,
     mesh=mesh,
     in_specs=in_specs,
-    out_specs=(param_specs, P(), P(), P(), P()),
+    out_specs=(param_specs, P(), P(), P(), P(), P()),
   )
-  grads, weight, loss, aux, new_state = reduce(*args)
+  grads, weight, loss, aux, new_state, noise = reduce(*args)
   grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_init, grads)
-  return Sums(grads, weight, loss, aux, new_state, likes["loss"], likes["aux"])
+  return Sums(grads, weight, loss, aux, new_state, likes["loss"], likes["aux"], noise)
 
 
 def _is_float(x: Any) -> bool:

@@ -13,6 +13,8 @@ from gradaccum_jax._accumulate import (
   check_num_microbatches,
   check_same_structure,
   get_accumulator,
+  noise_estimates,
+  noise_scale,
 )
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
 from gradaccum_jax._sharding import make_data_parallel, place_params
@@ -134,8 +136,15 @@ def train_step(
     ``metrics`` holds ``"loss"`` (weighted mean over the batch), ``"grad_norm"``
     (global norm of the accumulated mean gradient, before ``inner``),
     ``"weight"`` (total weight of the batch), ``"updated"`` (whether the params
-    moved; False for a voided window) and, with ``has_aux``, ``"aux"`` (float
-    leaves averaged with the weights, integer leaves summed).
+    moved; False for a voided window), with ``has_aux``, ``"aux"`` (float
+    leaves averaged with the weights, integer leaves summed) and, with
+    ``ga.accumulate(..., noise_scale_ema=d)``, ``"noise_scale"`` (the simple
+    noise scale from the moving averages, :func:`noise_scale` of the new
+    state), ``"grad_sq_norm_est"`` and ``"trace_sigma_est"`` (this window's
+    unbiased estimates of the squared true gradient norm and of the trace of
+    the per-example gradient covariance; NaN with fewer than 2 micro-batches
+    of positive weight). Unweighted, the examples per micro-batch are its
+    rows.
 
   Raises:
     TypeError: if ``tx`` is not from :func:`accumulate`, or its
@@ -173,6 +182,7 @@ def train_step(
     batchnorm_momentum=batchnorm_momentum,
     compute_dtype=compute_dtype,
     data_parallel=dp,
+    noise_scale=acc.noise_scale_ema is not None,
   )
 
   def fused(params, model_state, state, batch, rng):
@@ -185,6 +195,13 @@ def train_step(
     scale = None if state.loss_scale is None else state.loss_scale.scale
     sums = mg.sums(params, batch, rng, state.acc_grads, model_state, scale)
     weight = state.acc_weight + sums.weight
+    noise = state.noise_scale
+    if noise is not None:  # add this batch's sums to the open window's
+      sq_sum, num, examples = sums.noise
+      noise = noise._replace(
+        sq_sum=noise.sq_sum + sq_sum, num=noise.num + num, examples=noise.examples + examples
+      )
+      state = state._replace(noise_scale=noise)
     updates, new_state = acc.close(sums.grads, weight, state, params, params, {})
     new_params = place_params(dp, optax.apply_updates(params, updates))
     if dp is not None:
@@ -202,6 +219,10 @@ def train_step(
       metrics["aux"] = aux
     if state.loss_scale is not None:
       metrics["loss_scale"] = scale
+    if noise is not None:
+      g2, trace = noise_estimates(sums.grads, weight, noise, scale)
+      metrics["noise_scale"] = noise_scale(new_state)
+      metrics["grad_sq_norm_est"], metrics["trace_sigma_est"] = g2, trace
     return new_params, sums.model_state, new_state, metrics
 
   if has_state:
