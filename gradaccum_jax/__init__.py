@@ -17,6 +17,7 @@ from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate
 from gradaccum_jax._microbatch import microbatch as microbatch
 from gradaccum_jax._microbatch import value_and_grad as value_and_grad
 from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
+from gradaccum_jax._ramp import ramp_train_step as ramp_train_step
 from gradaccum_jax._train_step import train_step as train_step
 
 try:
@@ -35,6 +36,7 @@ __all__ = (
   "linen_train_step",
   "microbatch",
   "nnx_train_step",
+  "ramp_train_step",
   "noise_scale",
   "scale_adam_hyperparams",
   "scale_learning_rate",

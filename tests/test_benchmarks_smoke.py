@@ -109,3 +109,25 @@ def test_sharding_smoke(tmp_path):
     assert methods["ga"]["collectives"]["outside_loop"] == {"all-reduce": 1}
     assert not methods["ga_sharded"]["collectives"]["in_loop"]
   assert "| naive |" in (tmp_path / "sharding.md").read_text()
+
+
+def test_noise_scale_smoke(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/noise_scale.py", "--smoke", "--out", str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads((tmp_path / "noise_scale.json").read_text())
+  assert result["config"]["smoke"] is True and result["machine"]["jax"]
+  assert result["rows"]
+  for row in result["rows"]:
+    # Both estimates of B_simple are finite and positive, within a loose factor of each other.
+    assert row["ema"] > 0 and row["brute"] > 0
+    assert 0.25 < row["ratio_ema_vs_brute"] < 4
+  assert (tmp_path / "noise_scale.png").is_file() == (result["plot"] is not None)
+  md = (tmp_path / "noise_scale.md").read_text()
+  assert "| window | loss | EMA estimate | brute force |" in md
+  assert result["machine"]["jax"] in md

@@ -19,6 +19,7 @@ def test_public_names_are_reexported():
       "linen_train_step",
       "microbatch",
       "nnx_train_step",
+      "ramp_train_step",
       "noise_scale",
       "scale_adam_hyperparams",
       "scale_learning_rate",
