@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/step_time.py: the --smoke run exits 0 and writes its results."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,41 @@ def test_noise_scale_smoke(tmp_path):
   md = (tmp_path / "noise_scale.md").read_text()
   assert "| window | loss | EMA estimate | brute force |" in md
   assert result["machine"]["jax"] in md
+
+
+def test_run_all_smoke(tmp_path):
+  # The full smoke run of all four scripts takes over a minute; each script has its own smoke
+  # test above. This one checks the driver: it runs the two fastest scripts and builds the
+  # report and plots, taking step_time and noise_scale from the committed results.
+  for name in ("step_time", "noise_scale"):
+    for ext in ("json", "md"):
+      shutil.copy(ROOT / "benchmarks" / "results" / f"{name}.{ext}", tmp_path)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "benchmarks/run_all.py",
+      "--smoke",
+      "--only",
+      "memory,sharding",
+      "--out",
+      str(tmp_path),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert json.loads((tmp_path / "sharding.json").read_text())["config"]["smoke"] is True
+  memory = json.loads((tmp_path / "memory.json").read_text())
+  assert memory["config"]["layers"] == [64, 128, 128, 10]  # the smoke sizes
+  report = (tmp_path / "REPORT.md").read_text()
+  for name in ("step_time", "memory", "sharding", "noise_scale"):
+    assert f"`{name}.py`" in report
+  assert "| `step_time.py` | not run (left out with --only) | full run" in report
+  assert "| `memory.py` | ran in this run" in report
+  assert "| naive |" in report and "| configuration |" in report
+  pngs = ("step_time_overhead.png", "step_time_memory.png", "step_time_compile.png")
+  for png in pngs:
+    assert (tmp_path / png).stat().st_size > 0
+    assert f"]({png})" in report

@@ -36,11 +36,16 @@ def test_public_names_are_reexported():
   assert importlib.resources.files("gradaccum_jax").joinpath("py.typed").is_file()
 
 
-def test_demo_runs_and_agrees(capsys):
-  assert main(["--steps", "3", "--k", "4", "--microbatch-size", "8", "--hidden", "32"]) == 0
+def test_demo_runs_and_agrees(capsys, tmp_path):
+  argv = ["--steps", "3", "--k", "4", "--microbatch-size", "8", "--hidden", "16"]
+  assert main([*argv, "--out", str(tmp_path), "--quiet"]) == 0
   out = capsys.readouterr().out
-  assert "| plain batch of 32 |" in out and "| ga.train_step 4 x 8 |" in out
+  assert "| plain batch of 32 |" in out
+  assert "| ga.train_step 4 x 8 |" in out
+  assert "| optax.MultiSteps 4 x 8 |" in out
   assert "the runs agree" in out
+  png = tmp_path / "loss_curves.png"
+  assert png.is_file() and png.stat().st_size > 0
 
 
 def test_import_needs_no_flax():
