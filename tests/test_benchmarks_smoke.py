@@ -19,15 +19,15 @@ PROGRAMS = {
 }
 
 
-def test_step_time_smoke(tmp_path):
-  proc = subprocess.run(
-    [sys.executable, "benchmarks/step_time.py", "--smoke", "--out", str(tmp_path)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+def run_script(argv):
+  """Runs ``argv`` from the repository root; fails with its output if it exits non-zero."""
+  proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc
+
+
+def test_step_time_smoke(tmp_path):
+  run_script([sys.executable, "benchmarks/step_time.py", "--smoke", "--out", str(tmp_path)])
   json_path, md_path = tmp_path / "step_time.json", tmp_path / "step_time.md"
   assert json_path.is_file() and md_path.is_file()
 
@@ -71,14 +71,7 @@ def test_step_time_smoke(tmp_path):
 
 
 def test_memory_smoke(tmp_path):
-  proc = subprocess.run(
-    [sys.executable, "benchmarks/memory.py", "--smoke", "--out", str(tmp_path)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  run_script([sys.executable, "benchmarks/memory.py", "--smoke", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "memory.json").read_text())
   rows = result["results"]
   assert any("checkpoint" in name for name in rows) and any("bf16" in name for name in rows)
@@ -88,14 +81,7 @@ def test_memory_smoke(tmp_path):
 
 
 def test_sharding_smoke(tmp_path):
-  proc = subprocess.run(
-    [sys.executable, "benchmarks/sharding.py", "--smoke", "--out", str(tmp_path)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  run_script([sys.executable, "benchmarks/sharding.py", "--smoke", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "sharding.json").read_text())
   assert result["config"]["smoke"] is True and result["config"]["devices"] == 8
   for run in result["runs"]:
@@ -113,14 +99,7 @@ def test_sharding_smoke(tmp_path):
 
 
 def test_noise_scale_smoke(tmp_path):
-  proc = subprocess.run(
-    [sys.executable, "benchmarks/noise_scale.py", "--smoke", "--out", str(tmp_path)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  run_script([sys.executable, "benchmarks/noise_scale.py", "--smoke", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "noise_scale.json").read_text())
   assert result["config"]["smoke"] is True and result["machine"]["jax"]
   assert result["rows"]
@@ -141,7 +120,7 @@ def test_run_all_smoke(tmp_path):
   for name in ("step_time", "noise_scale"):
     for ext in ("json", "md"):
       shutil.copy(ROOT / "benchmarks" / "results" / f"{name}.{ext}", tmp_path)
-  proc = subprocess.run(
+  run_script(
     [
       sys.executable,
       "benchmarks/run_all.py",
@@ -150,13 +129,8 @@ def test_run_all_smoke(tmp_path):
       "memory,sharding",
       "--out",
       str(tmp_path),
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
+    ]
   )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert json.loads((tmp_path / "sharding.json").read_text())["config"]["smoke"] is True
   memory = json.loads((tmp_path / "memory.json").read_text())
   assert memory["config"]["layers"] == [64, 128, 128, 10]  # the smoke sizes
