@@ -13,7 +13,7 @@ import jax
 
 from gradaccum_jax._accumulate import check_num_microbatches, get_accumulator
 from gradaccum_jax._microbatch import check_batch, microbatch
-from gradaccum_jax._model_state import BATCHNORM_MODES
+from gradaccum_jax._model_state import check_batchnorm_mode
 from gradaccum_jax._train_step import train_step
 
 
@@ -171,8 +171,7 @@ def linen_train_step(
     >>> int(state.step), int(state.opt_state.count), metrics["loss"].shape
     (1, 1, ())
   """
-  if batchnorm not in BATCHNORM_MODES:
-    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
+  check_batchnorm_mode(batchnorm)
   _check_momentum(batchnorm_momentum)
   if not (isinstance(inputs, str) or callable(inputs)):
     raise TypeError(

@@ -11,9 +11,14 @@ import jax.numpy as jnp
 BATCHNORM_MODES = ("sequential", "per_window", "frozen")
 
 
-def check_batchnorm(batchnorm: str, momentum: float | None, has_state: bool) -> None:
+def check_batchnorm_mode(batchnorm: str) -> None:
+  """ValueError unless ``batchnorm`` is one of :data:`BATCHNORM_MODES`."""
   if batchnorm not in BATCHNORM_MODES:
     raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
+
+
+def check_batchnorm(batchnorm: str, momentum: float | None, has_state: bool) -> None:
+  check_batchnorm_mode(batchnorm)
   if batchnorm != "sequential" and not has_state:
     raise ValueError(
       f"{batchnorm=} needs the model state: pass has_state=True and a loss_fn(params,"

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum_jax._accumulate import get_accumulator
-from gradaccum_jax._model_state import BATCHNORM_MODES, batchnorm_leaves
+from gradaccum_jax._model_state import batchnorm_leaves, check_batchnorm_mode
 from gradaccum_jax._train_step import train_step
 
 
@@ -126,8 +126,7 @@ def nnx_train_step(
   """
   from flax import nnx  # flax is an optional dependency: import it when used
 
-  if batchnorm not in BATCHNORM_MODES:
-    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
+  check_batchnorm_mode(batchnorm)
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be a function loss_fn(model, microbatch), got {loss_fn!r}.")
   has_aux = bool(has_aux)
