@@ -398,8 +398,9 @@ class _Accumulator:
 
     Returns the updates and the new state. A window with zero total weight, or a non-finite mean
     gradient when ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state
-    kept. With loss scaling, ``acc_grads`` holds scaled gradients. The selection is a ``jnp.where``, not a ``lax.cond``, so the inner
-    optimizer runs exactly once and XLA keeps one copy of its state.
+    kept. With loss scaling, ``acc_grads`` holds scaled gradients. The selection is a
+    ``jnp.where``, not a ``lax.cond``, so the inner optimizer runs exactly once and XLA keeps one
+    copy of its state.
     """
     nonempty = acc_weight > 0
     denom = jnp.where(nonempty, acc_weight, 1.0)
