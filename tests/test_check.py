@@ -1,0 +1,257 @@
+"""ga.check_equivalence: the verdict against independent references, and the hints."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import init_mlp, make_batch, mlp, xent_loss
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+
+V, T, D = 11, 7, 8  # vocabulary, sequence length, embedding width
+
+
+def init_lm(key):
+  ek, ok = jax.random.split(key)
+  return {"emb": jax.random.normal(ek, (V, D)), "out": jax.random.normal(ok, (D, V)) / D**0.5}
+
+
+def token_batch(key, batch_size):
+  """Sequences of very different lengths, padded with token 0 and masked."""
+  tk, lk = jax.random.split(key)
+  tokens = jax.random.randint(tk, (batch_size, T + 1), 1, V)
+  lengths = jax.random.randint(lk, (batch_size,), 1, T + 1)
+  mask = jnp.arange(T)[None, :] < lengths[:, None]
+  return {"x": jnp.where(mask, tokens[:, :-1], 0), "y": tokens[:, 1:], "mask": mask}
+
+
+def token_xent(params, batch):
+  """Per-token cross-entropy, averaged over the unmasked tokens of the (micro-)batch."""
+  logits = jnp.tanh(params["emb"][batch["x"]]) @ params["out"]
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def count_tokens(mb):
+  return jnp.sum(mb["mask"])
+
+
+def rows(batch, i, k):
+  """Micro-batch i of ga's documented order, by plain slicing: rows i, i + k, ..."""
+  return jax.tree.map(lambda x: x[i::k], batch)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_ok_for_a_per_example_mean(k):
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+  report = ga.check_equivalence(xent_loss, params, batch, k)
+  assert report.ok and report.cause is None and report.reason is None
+  loss = jax.value_and_grad(xent_loss)(params, batch)[0]
+  np.testing.assert_allclose(report.loss_whole, loss, rtol=1e-6)
+  np.testing.assert_allclose(report.loss_accumulated, loss, rtol=1e-5)
+  means = [float(xent_loss(params, rows(batch, i, k))) for i in range(k)]
+  np.testing.assert_allclose(report.mean_of_means_loss, np.mean(means), rtol=1e-6)
+  assert report.loss_rel_error <= 1e-5 and report.max_rel_grad_error <= 1e-5
+  assert report.mean_of_means_error <= 1e-5  # equal-sized micro-batches: the naive mean is exact
+  assert "equivalent (rtol=1e-05)" in str(report) and "NOT" not in str(report)
+
+
+def test_flags_a_token_mean_without_weight_fn_and_passes_with_it():
+  params, batch, k = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 8), 4
+  report = ga.check_equivalence(token_xent, params, batch, k)
+  assert not report.ok
+  assert report.cause == "weighting"
+  assert "weight_fn=lambda mb: mb['mask'].sum()" in report.reason
+  # The weights that rebuild the whole batch are the micro-batches' shares of the tokens.
+  counts = np.array([float(rows(batch, i, k)["mask"].sum()) for i in range(k)])
+  np.testing.assert_allclose(report.fitted_weights, counts / counts.sum(), atol=1e-4)
+  # Unweighted accumulation is the naive mean of micro-batch means, computed here by slicing.
+  means = [float(token_xent(params, rows(batch, i, k))) for i in range(k)]
+  np.testing.assert_allclose(report.loss_accumulated, np.mean(means), rtol=1e-5)
+  np.testing.assert_allclose(report.mean_of_means_loss, np.mean(means), rtol=1e-6)
+  assert report.mean_of_means_error > 1e-3
+  text = str(report)
+  assert "NOT equivalent" in text and "likely reason (weighting)" in text
+
+  fixed = ga.check_equivalence(token_xent, params, batch, k, weight_fn=count_tokens)
+  assert fixed.ok, str(fixed)
+  assert fixed.weighted and fixed.mean_of_means_error > 1e-3  # the naive mean still drifts
+
+
+def test_names_an_ignore_index_count():
+  params, batch, k = init_lm(jax.random.key(2)), token_batch(jax.random.key(3), 8), 2
+  labels = jnp.where(batch["mask"], batch["y"], -100)  # no mask leaf: labels -100 are ignored
+  batch = {"x": batch["x"], "y": labels}
+
+  def loss_fn(params, batch):
+    valid = batch["y"] >= 0
+    return token_xent(
+      params, {"x": batch["x"], "y": jnp.where(valid, batch["y"], 0), "mask": valid}
+    )
+
+  report = ga.check_equivalence(loss_fn, params, batch, k)
+  assert report.cause == "weighting"
+  assert "weight_fn=lambda mb: (mb['y'] >= 0).sum()" in report.reason
+  ok = ga.check_equivalence(loss_fn, params, batch, k, weight_fn=lambda mb: (mb["y"] >= 0).sum())
+  assert ok.ok
+
+
+def test_flags_a_weight_fn_that_counts_the_wrong_thing():
+  params, batch = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 8)
+  report = ga.check_equivalence(
+    token_xent, params, batch, 4, weight_fn=lambda mb: mb["mask"].shape[0] * 1.0
+  )
+  assert not report.ok and report.cause == "weighting"
+  assert report.reason.startswith("weight_fn's weights are not proportional")
+
+
+def standardized_loss(params, batch):
+  """BatchNorm-like: the features are standardized with the batch's own mean and std."""
+  x = batch["x"]
+  x = (x - jnp.mean(x, axis=0)) / (jnp.std(x, axis=0) + 1e-5)
+  return xent_loss(params, {**batch, "x": x})
+
+
+@pytest.mark.parametrize("weight_fn", [None, lambda mb: mb["x"].shape[0] * 1.0])
+def test_flags_batch_dependence(weight_fn):
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+  report = ga.check_equivalence(standardized_loss, params, batch, 4, weight_fn=weight_fn)
+  assert not report.ok
+  assert report.cause == "batch_dependence", str(report)
+  assert "BatchNorm" in report.reason and report.fitted_weights is None
+  # The same layer with fixed (running) statistics is per-example, hence exact.
+  mu, sd = jnp.mean(batch["x"], axis=0), jnp.std(batch["x"], axis=0)
+
+  def eval_mode(params, batch):
+    return xent_loss(params, {**batch, "x": (batch["x"] - mu) / sd})
+
+  assert ga.check_equivalence(eval_mode, params, batch, 4).ok
+
+
+def dropout_loss(params, batch, key):
+  keep = jax.random.bernoulli(key, 0.8, batch["x"].shape)
+  return xent_loss(params, {**batch, "x": batch["x"] * keep / 0.8})
+
+
+def test_flags_randomness_from_a_key():
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+  report = ga.check_equivalence(dropout_loss, params, batch, 4, rng=jax.random.key(3))
+  assert not report.ok and report.cause == "randomness"
+  assert "deterministic" in report.reason
+  # A loss that takes a key but ignores it is deterministic, and exact.
+  ignores = lambda p, b, key: xent_loss(p, b)  # noqa: E731
+  assert ga.check_equivalence(ignores, params, batch, 4, rng=jax.random.key(3)).ok
+
+
+def test_flags_randomness_from_side_effects():
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+  noise = np.random.default_rng(0)
+
+  def noisy(params, batch):  # a new draw at each trace and each eager call
+    return xent_loss(params, batch) + 0.1 * noise.standard_normal()
+
+  report = ga.check_equivalence(noisy, params, batch, 4)
+  assert not report.ok and report.cause == "randomness"
+
+
+def test_has_aux():
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+
+  def loss_aux(params, batch):
+    logits = mlp(params, batch["x"])
+    return xent_loss(params, batch), {"correct": jnp.sum(jnp.argmax(logits, -1) == batch["y"])}
+
+  assert ga.check_equivalence(loss_aux, params, batch, 4, has_aux=True).ok
+
+
+def test_too_few_parameters_to_tell():
+  def loss_fn(w, batch):  # 2 parameters, k = 4: any 4 micro-batches fit 3 numbers
+    err = (batch["x"] * w[0] + w[1] - batch["y"]) ** 2
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+  batch = token_batch(jax.random.key(1), 8)
+  batch = {"x": batch["x"] / V, "y": batch["y"] / V, "mask": batch["mask"]}
+  report = ga.check_equivalence(loss_fn, jnp.array([0.5, -0.3]), batch, 4)
+  assert not report.ok and report.cause == "unknown"
+  assert "too few parameters" in report.reason
+
+
+def mesh_8():
+  return jax.make_mesh((8,), ("data",))
+
+
+def test_on_a_mesh():
+  mesh = mesh_8()
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 32)
+  assert ga.check_equivalence(xent_loss, params, batch, 2, mesh=mesh, data_axis="data").ok
+
+  lm, tokens = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 32)
+  flagged = ga.check_equivalence(token_xent, lm, tokens, 2, mesh=mesh)
+  assert not flagged.ok and flagged.cause == "weighting"
+  assert "mb['mask'].sum()" in flagged.reason
+  # Already sharded inputs are fine too.
+  sharded = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+  fixed = ga.check_equivalence(token_xent, lm, sharded, 2, weight_fn=count_tokens, mesh=mesh)
+  assert fixed.ok, str(fixed)
+
+
+def test_on_a_mesh_batch_dependence():
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 32)
+  report = ga.check_equivalence(standardized_loss, params, batch, 2, mesh=mesh_8())
+  assert not report.ok and report.cause == "batch_dependence"
+
+
+def test_report_is_frozen():
+  params = init_mlp(jax.random.key(0))
+  report = ga.check_equivalence(xent_loss, params, make_batch(jax.random.key(1), 8), 2)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    report.ok = False
+
+
+@pytest.mark.parametrize(
+  "k, kwargs, error, match",
+  [
+    (
+      3,
+      {},
+      ValueError,
+      r"batch size B=16 is not divisible by num_microbatches k=3.*\[1, 2, 4, 8, 16\]",
+    ),
+    (0, {}, ValueError, r"num_microbatches=0"),
+    (2.0, {}, TypeError, r"num_microbatches must be a positive int, got 2.0"),
+    (True, {}, TypeError, r"got True"),
+    (2, {"rtol": 0.0}, ValueError, r"rtol=0.0"),
+    (2, {"rtol": "1e-5"}, TypeError, r"rtol must be a positive float, got '1e-5'"),
+    (2, {"data_axis": "data"}, ValueError, r"data_axis= needs mesh="),
+  ],
+)
+def test_bad_arguments(k, kwargs, error, match):
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+  with pytest.raises(error, match=match):
+    ga.check_equivalence(xent_loss, params, batch, k, **kwargs)
+
+
+def test_bad_batch_and_loss_fn():
+  params = init_mlp(jax.random.key(0))
+  batch = make_batch(jax.random.key(1), 16)
+  with pytest.raises(ValueError, match=r"\['x'\]: 16, \['y'\]: 8"):
+    ga.check_equivalence(xent_loss, params, {"x": batch["x"], "y": batch["y"][:8]}, 2)
+  with pytest.raises(TypeError, match="loss_fn must be a function"):
+    ga.check_equivalence("xent", params, batch, 2)
+  with pytest.raises(ValueError, match=r"B=16 is not divisible by 8 devices .* k=4"):
+    ga.check_equivalence(xent_loss, params, batch, 4, mesh=mesh_8())
+  with pytest.raises(ValueError, match=r"data_axis='batch' names 'batch'"):
+    ga.check_equivalence(xent_loss, params, batch, 2, mesh=mesh_8(), data_axis="batch")
