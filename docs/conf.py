@@ -1,0 +1,62 @@
+"""Sphinx configuration: API pages from the docstrings (autodoc + napoleon), pages in MyST
+markdown, and the notebooks rendered as stored (not executed) by myst-nb.
+
+Build: ``sphinx-build -W -b html docs /tmp/docs_html`` (``tests/test_docs.py`` does).
+"""
+
+import pathlib
+import shutil
+
+import gradaccum_jax
+
+DOCS = pathlib.Path(__file__).resolve().parent
+ROOT = DOCS.parent
+
+project = "gradaccum_jax"
+author = "gradaccum_jax authors"
+copyright = "gradaccum_jax authors; Apache-2.0"  # noqa: A001
+release = gradaccum_jax.__version__
+
+extensions = [
+  "sphinx.ext.autodoc",
+  "sphinx.ext.napoleon",
+  "myst_nb",  # MyST markdown pages and .ipynb notebooks (myst-nb brings myst-parser)
+]
+
+# The notebooks live in notebooks/ at the repository root, outside this source folder; copy
+# every one of them (by glob, so new notebooks need no change here) into docs/notebooks/,
+# which is generated and ignored by git. notebooks.md lists them with a globbing toctree.
+_NB_OUT = DOCS / "notebooks"
+shutil.rmtree(_NB_OUT, ignore_errors=True)
+_NB_OUT.mkdir()
+for _nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+  shutil.copy2(_nb, _NB_OUT / _nb.name)
+
+# The benchmark report: benchmarks/README.md and every markdown file under benchmarks/results/
+# (a run_all.py REPORT.md, each script's tables), each on its own page that includes the file
+# as committed, so that a new results file needs no change here. docs/benchmark_results/ is
+# generated and ignored by git.
+_BENCH_OUT = DOCS / "benchmark_results"
+shutil.rmtree(_BENCH_OUT, ignore_errors=True)
+_BENCH_OUT.mkdir()
+_BENCH = ROOT / "benchmarks"
+for _md in [_BENCH / "README.md", *sorted((_BENCH / "results").rglob("*.md"))]:
+  _rel = _md.relative_to(_BENCH)
+  _page = "README" if _rel.name == "README.md" else "_".join(_rel.with_suffix("").parts)
+  (_BENCH_OUT / f"{_page}.md").write_text(
+    f"```{{include}} ../../benchmarks/{_rel.as_posix()}\n:relative-images:\n```\n"
+  )
+
+nb_execution_mode = "off"  # render as stored: the test suite executes the notebooks
+myst_enable_extensions = ["dollarmath"]
+myst_heading_anchors = 3
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints", "jupyter_execute"]
+html_theme = "alabaster"
+html_title = "gradaccum_jax"

@@ -1,0 +1,105 @@
+"""The docs: every public name has an API entry, relative links resolve, snippets run, and the
+Sphinx site builds with warnings as errors."""
+
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gradaccum_jax as ga
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+GENERATED = ("notebooks", "benchmark_results", "_build")  # written by docs/conf.py at build time
+
+
+def doc_pages():
+  return sorted(p for p in DOCS.rglob("*.md") if p.relative_to(DOCS).parts[0] not in GENERATED)
+
+
+def test_every_public_name_has_an_api_entry():
+  """A name added to ``ga.__all__`` needs a ``.. autofunction::`` or ``.. autoclass::`` line in
+  one of the docs/api/*.md pages (each page lists the names it documents)."""
+  text = "\n".join(p.read_text() for p in sorted((DOCS / "api").glob("*.md")))
+  documented = set(
+    re.findall(r"^\.\. auto(?:function|class|data):: gradaccum_jax\.(\w+)$", text, re.M)
+  )
+  missing = sorted(set(ga.__all__) - documented)
+  assert not missing, f"public names without an API entry in docs/api/*.md: {missing}"
+  assert not documented - set(ga.__all__), "docs/api/*.md documents names not in ga.__all__"
+
+
+def relative_links(path):
+  """Markdown link and image targets that are neither URLs nor in-page anchors."""
+  text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # not inside code blocks
+  for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text):
+    if not re.match(r"[a-z][a-z0-9+.-]*:|#", target):
+      yield target
+
+
+@pytest.mark.parametrize(
+  "page", [ROOT / "README.md", *doc_pages()], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_relative_links_point_to_files(page):
+  targets = list(relative_links(page))
+  broken = [t for t in targets if not (page.parent / t.split("#")[0]).exists()]
+  assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+def test_relative_links_are_found():
+  """The link test above sees the README's links (a regex that matched nothing would pass)."""
+  targets = set(relative_links(ROOT / "README.md"))
+  assert {"docs/usage.md", "LICENSE", "notebooks/gradient_accumulation.ipynb"} <= targets
+
+
+def python_blocks(path):
+  return re.findall(r"^ *```python\n(.*?)^ *```", path.read_text(), re.S | re.M)
+
+
+def test_docs_python_blocks_run():
+  """The snippets of the guide pages run in order, continuing the README's Quick start."""
+  namespace: dict = {}
+  pages = [ROOT / "README.md"] + [
+    DOCS / f"{n}.md" for n in ("usage", "choosing_k", "data_parallel")
+  ]
+  for page in pages:
+    blocks = python_blocks(page)
+    assert blocks, page
+    for block in blocks:
+      exec(compile(textwrap.dedent(block), str(page), "exec"), namespace)
+  assert isinstance(namespace["k"], int) and int(namespace["dp_state"].count) == 1
+  others = [p for p in doc_pages() if p not in pages and python_blocks(p)]
+  assert not others, f"python blocks not run by this test: {others}"
+
+
+@pytest.mark.slow
+def test_sphinx_builds_without_warnings(tmp_path):
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "sphinx",
+      "-W",
+      "--keep-going",
+      "-q",
+      "-b",
+      "html",
+      str(DOCS),
+      str(tmp_path),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  index = (tmp_path / "index.html").read_text()
+  assert "Compared with other tools" in index  # the README, included
+  for page in ("api/transformation.html", "api/sizing.html", "notebooks.html"):
+    assert (tmp_path / page).is_file(), page
+  notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+  assert notebooks and all((tmp_path / "notebooks" / f"{n}.html").is_file() for n in notebooks)
+  api = (tmp_path / "api" / "transformation.html").read_text()
+  assert 'id="gradaccum_jax.accumulate"' in api  # autodoc rendered, not printed as text
