@@ -1,6 +1,7 @@
 """Execute notebooks/gradient_accumulation.ipynb top to bottom, and check it is stored stripped."""
 
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -19,6 +20,31 @@ def test_notebook_is_stripped():
       assert cell.execution_count is None, "execution counts must be stripped"
 
 
+def test_notebook_text_matches_code():
+  """Numbers the text states are the ones the code uses (at least the training run's steps)."""
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+  code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+  (steps,) = re.findall(r"^STEPS = (\d+)$", code, re.M)
+  stated = re.findall(r"the same (\d+) batches", text)
+  assert stated == [steps], (stated, steps)
+
+
+def test_notebook_install_cell_works_before_a_release():
+  """The install cell installs from the repository (URL in one variable), only when the package
+  is not importable (so it does nothing under this test), and keeps jax on a Colab TPU."""
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  install = next(c.source for c in nb.cells if c.cell_type == "code")
+  (repo,) = re.findall(r'^REPO = "(https://github\.com/[\w.-]+/[\w.-]+)"$', install, re.M)
+  assert install.count(repo) == 1 and "git+{REPO}" in install
+  assert 'find_spec("gradaccum_jax") is None' in install
+  assert "--no-deps" in install and "pip install gradaccum_jax" in install
+  intro = nb.cells[0].source
+  assert "TPU" in intro and "restart" in intro.lower() and "do not reinstall jax" in intro
+  assert repo.removeprefix("https://github.com/") in intro  # the Colab badge: same repository
+
+
+@pytest.mark.slow
 def test_notebook_runs(tmp_path, monkeypatch):
   nbclient = pytest.importorskip("nbclient")
   from ipykernel.kernelspec import install
