@@ -98,6 +98,7 @@ def test_budget_too_small_names_the_bytes():
     ga.auto_microbatch(tiny_loss, jnp.zeros(3), TINY_BATCH, memory_budget_bytes=100)
 
 
+@pytest.mark.slow
 def test_result_is_a_divisor_not_only_a_power_of_two():
   # B = 1536 = 2**9 * 3: divisors 1, 2, 3, 4, 6, ... A budget between k = 2 and k = 3.
   batch = {"x": S((1536, 256), jnp.float32), "y": S((1536,), jnp.int32)}

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocess runs of the benchmark scripts: the full suite only
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"plain", "multisteps_loop", "optax_microbatch", "ga_streaming", "ga_train_step"}
 CURVE_METHODS = {"plain", "ga_streaming", "ga_train_step"}

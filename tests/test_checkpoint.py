@@ -87,6 +87,7 @@ def trajectory():
   return data, states
 
 
+@pytest.mark.slow
 def test_uninterrupted_run_is_the_big_batch_run(trajectory):
   """The run the checkpointed runs are held to is itself plain adam on the whole batches."""
   data, states = trajectory
@@ -100,6 +101,7 @@ def test_uninterrupted_run_is_the_big_batch_run(trajectory):
   assert int(final_state.count) == WINDOWS and int(final_state.micro_step) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", range(K + 1))
 def test_restore_at_every_position_of_a_window_is_bit_exact(
   position, trajectory, checkpointer, tmp_path
@@ -124,6 +126,7 @@ def test_restore_at_every_position_of_a_window_is_bit_exact(
   assert_bit_exact((params, state), states[-1])
 
 
+@pytest.mark.slow
 def test_restore_mid_window_then_fused_step_closes_the_window(trajectory, checkpointer, tmp_path):
   data, states = trajectory
   pending = 2

@@ -59,6 +59,7 @@ def python_blocks(path):
   return re.findall(r"^ *```python\n(.*?)^ *```", path.read_text(), re.S | re.M)
 
 
+@pytest.mark.slow
 def test_docs_python_blocks_run():
   """The snippets of the guide pages run in order, continuing the README's Quick start."""
   namespace: dict = {}

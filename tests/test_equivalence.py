@@ -44,7 +44,10 @@ def reference_run(inner, params, data):
   return history
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n == "adafactor" else n for n in sorted(OPTIMIZERS)],
+)
 def test_fused_step_matches_big_batch(name):
   params = init_mlp(jax.random.key(0))
   data = batches()
@@ -104,6 +107,7 @@ def test_value_and_grad_matches_big_batch(name):
     assert_trees_close(params, ref_params)
 
 
+@pytest.mark.slow
 def test_clipping_sees_the_accumulated_gradient():
   """The clip threshold is active, and clipping each micro-batch would give another result."""
   params = init_mlp(jax.random.key(0))

@@ -134,6 +134,7 @@ def big_batch_adam_step(model, params, batch):
   return optax.apply_updates(params, updates), loss
 
 
+@pytest.mark.slow
 def test_streaming_trainstate_matches_one_big_batch_step(batch):
   """tx = ga.accumulate in TrainState.apply_gradients, once per micro-batch; no BatchNorm."""
   model = CNN(use_bn=False)
@@ -167,6 +168,7 @@ def test_streaming_trainstate_matches_one_big_batch_step(batch):
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sequential_matches_hand_loop_threading_batch_stats(batch):
   model = CNN()
   state = make_state(model)
@@ -191,6 +193,7 @@ def first_bn_input(model, variables, x):
   return state["intermediates"]["Conv_0"]["__call__"][0]
 
 
+@pytest.mark.slow
 def test_per_window_running_stats_are_the_pooled_window_statistics(batch):
   m = 0.9
   model = CNN(momenta=(m, m))
@@ -224,6 +227,7 @@ def test_per_window_running_stats_are_the_pooled_window_statistics(batch):
   assert int(new.step) == 1
 
 
+@pytest.mark.slow
 def test_frozen_keeps_batch_stats_and_trains_params(batch):
   model = CNN()
   state = make_state(model)
@@ -241,6 +245,7 @@ def test_frozen_keeps_batch_stats_and_trains_params(batch):
   )
 
 
+@pytest.mark.slow
 def test_dropout_gets_one_key_per_microbatch(batch):
   model = CNN(dropout=0.5)
   state = make_state(model)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import assert_trees_close, init_mlp, make_batch, mlp
 
 import gradaccum_jax as ga
@@ -60,6 +61,7 @@ def capture(lr=LR):
 # ----------------------------------------------------------------------------- bf16
 
 
+@pytest.mark.slow
 def test_bf16_compute_with_fp32_master_params_and_accumulator():
   params = init_mlp(jax.random.key(0), sizes=(6, 32, 3))
   seen = set()
@@ -94,6 +96,7 @@ def test_bf16_compute_with_fp32_master_params_and_accumulator():
   assert err_fp32_acc < 0.5 * err_bf16_acc
 
 
+@pytest.mark.slow
 def test_bf16_params_with_fp32_accumulator():
   params32 = init_mlp(jax.random.key(0))
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params32)  # stored in bf16
@@ -256,6 +259,7 @@ def test_fp16_loss_scale_streaming_user_scales_the_loss():
     assert err < 4 * FP16_U, (w, err)
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaling_is_undone_exactly():
   """Without overflow the scaled update is the unscaled fp16 update (scaling by a power of two
   is exact in floating point, bar fp16 underflow of the unscaled gradient), and both are within

@@ -60,6 +60,7 @@ def setup():
   return params, state, make_batch(jax.random.key(1), 32)
 
 
+@pytest.mark.slow
 def test_sequential_threads_the_state(setup):
   params, state, batch = setup
   ref_loss, ref_grads, ref_state = hand_loop(params, state, batch)

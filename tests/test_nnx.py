@@ -114,6 +114,7 @@ def fused(model, batch, inner, **kw):
   return optimizer, metrics
 
 
+@pytest.mark.slow
 def test_plain_model_matches_big_batch_adam_and_streaming():
   inner = optax.adam(1e-2)
   batches = [make_batch(jax.random.key(s), B) for s in (1, 2)]
@@ -160,6 +161,7 @@ def test_plain_model_matches_big_batch_adam_and_streaming():
   assert int(optimizer.step[...]) == 2 * K and int(optimizer.opt_state.count[...]) == 2
 
 
+@pytest.mark.slow
 def test_batchnorm_sequential_matches_hand_loop():
   inner = optax.adam(1e-2)
   batch = make_batch(jax.random.key(3), B)
@@ -180,6 +182,7 @@ def test_batchnorm_sequential_matches_hand_loop():
   np.testing.assert_allclose(float(metrics["aux"]), ref_aux, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_batchnorm_per_window_uses_whole_batch_statistics():
   inner = optax.adam(1e-2)
   batch = image_batch(jax.random.key(4))
@@ -205,6 +208,7 @@ def test_batchnorm_per_window_uses_whole_batch_statistics():
   assert rng_count(model) == rng_count(ref) == count0 + K
 
 
+@pytest.mark.slow
 def test_batchnorm_frozen_keeps_statistics_and_threads_rngs():
   inner = optax.adam(1e-2)
   batch = make_batch(jax.random.key(5), B)
@@ -222,6 +226,7 @@ def test_batchnorm_frozen_keeps_statistics_and_threads_rngs():
   assert rng_count(model) == count0 + K
 
 
+@pytest.mark.slow
 def test_dropout_gets_a_fresh_mask_per_microbatch():
   inner = optax.sgd(0.5)
   batch = make_batch(jax.random.key(6), B)

@@ -106,6 +106,7 @@ def weighted_regression_batch(key, sizes, rows_per_mb):
   return batch
 
 
+@pytest.mark.slow
 def test_weighted_estimates_are_unbiased_with_unequal_token_counts():
   sizes = (1, 0, 4, 11, 24)  # micro-batch 1 is empty: weight 0, a NaN loss, not a sample
   k, windows = len(sizes), 4000
@@ -128,6 +129,7 @@ def test_weighted_estimates_are_unbiased_with_unequal_token_counts():
   np.testing.assert_allclose(float(state.noise_scale.trace_ema) / correction, TRACE_TRUE, rtol=0.2)
 
 
+@pytest.mark.slow
 def test_data_parallel_estimates_are_unbiased_over_device_microbatches():
   devices, k, b, windows = 4, 2, 8, 3000
   mesh = jax.make_mesh((devices,), ("data",))
@@ -153,6 +155,7 @@ def classification_batch(key, rows, teacher):
   return {"x": x, "y": y}
 
 
+@pytest.mark.slow
 def test_noise_scale_matches_the_two_batch_size_brute_force_estimate():
   """McCandlish et al., appendix A.1: E|G_B|^2 = |G|^2 + tr(Sigma) / B at two batch sizes."""
   teacher = jax.random.normal(jax.random.key(3), (6, 3))
@@ -194,6 +197,7 @@ def test_noise_scale_matches_the_two_batch_size_brute_force_estimate():
   np.testing.assert_allclose(estimate, b_ref, rtol=tol)
 
 
+@pytest.mark.slow
 def test_train_step_metrics_and_streaming_agree_on_the_same_microbatches():
   sizes = (3, 7, 1, 5)
   k = len(sizes)

@@ -54,6 +54,7 @@ def temp_bytes(compiled):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_memory_is_one_microbatch_plus_accumulator_whatever_k(params_shape):
   micro = temp_bytes(compile_plain_step(params_shape, B_MICRO))
   accumulator = nbytes(params_shape)  # one fp32 buffer like the params

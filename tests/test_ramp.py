@@ -11,6 +11,7 @@ import gradaccum_jax as ga
 B_MICRO = 4
 
 
+@pytest.mark.slow
 def test_ramp_matches_big_batch_steps_and_compiles_once_per_k():
   # One trace (plus shape evaluation) per distinct k: at most 2 x 4; chex raises on a 9th.
   chex.clear_trace_counter()  # the counters are global, keyed by where the wrapper was made

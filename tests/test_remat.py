@@ -15,6 +15,7 @@ shapes are large enough that XLA:CPU reports real sizes (it reports ~0 below ~16
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from helpers import assert_trees_close
 
 import gradaccum_jax as ga
@@ -77,6 +78,7 @@ def blocks_loss(checkpoint_blocks):
   return loss_fn
 
 
+@pytest.mark.slow
 def test_per_layer_checkpointing_in_the_loss_lowers_temp_memory_of_the_fused_step():
   """The scan over micro-batches keeps the remat the user puts inside loss_fn, and temp bytes
   see it."""
@@ -90,6 +92,7 @@ def test_per_layer_checkpointing_in_the_loss_lowers_temp_memory_of_the_fused_ste
   assert recomputed <= saved - (NUM_BLOCKS - 2) * HIDDEN_BYTES
 
 
+@pytest.mark.slow
 def test_per_layer_checkpointing_gives_the_same_update():
   """Small shapes, two windows: checkpointed blocks, plain blocks and one big batch agree."""
   key = jax.random.key(0)

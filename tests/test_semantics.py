@@ -42,6 +42,7 @@ def num_tokens(batch):
   return jnp.sum(batch["mask"])
 
 
+@pytest.mark.slow
 def test_token_weighted_loss_is_the_token_mean_of_the_whole_batch():
   params = init_mlp(jax.random.key(0))
   # Very unequal lengths: micro-batch i holds rows i, i+4, ...
@@ -101,6 +102,7 @@ def test_zero_weight_microbatch_contributes_nothing_even_nan():
   assert_trees_close(new_params, jax.tree.map(lambda p, g: p - 0.1 * g, params, ref_grads))
 
 
+@pytest.mark.slow
 def test_all_zero_weight_window_makes_no_update():
   params = init_mlp(jax.random.key(0))
   batch = token_batch(jax.random.key(3), lengths=jnp.zeros(16, jnp.int32))
@@ -129,6 +131,7 @@ def test_all_zero_weight_window_makes_no_update():
 # ----------------------------------------------------------------------------- counting
 
 
+@pytest.mark.slow
 def test_schedules_and_counters_advance_once_per_window():
   params = init_mlp(jax.random.key(0))
   windows = 5
@@ -228,6 +231,7 @@ def test_num_microbatches_schedule_in_streaming_mode():
   assert_trees_close(params, jnp.array([-5.5, -2.0]))
 
 
+@pytest.mark.slow
 def test_fused_step_closes_a_window_left_open_by_streaming_calls():
   params = init_mlp(jax.random.key(0))
   extra = make_batch(jax.random.key(5), 4)
@@ -246,6 +250,7 @@ def test_fused_step_closes_a_window_left_open_by_streaming_calls():
 # ----------------------------------------------------------------------------- dtypes
 
 
+@pytest.mark.slow
 def test_fp32_accumulator_beats_bf16_accumulation():
   k = 64
   params32 = init_mlp(jax.random.key(0), sizes=(6, 32, 3))
@@ -290,7 +295,7 @@ def test_fp32_accumulator_beats_bf16_accumulation():
 # ----------------------------------------------------------------------------- non-finite
 
 
-@pytest.mark.parametrize("mode", ["fused", "streaming"])
+@pytest.mark.parametrize("mode", ["fused", pytest.param("streaming", marks=pytest.mark.slow)])
 def test_nonfinite_microbatch_voids_the_window(mode):
   params = init_mlp(jax.random.key(0))
   good = make_batch(jax.random.key(1), 16)
@@ -345,6 +350,7 @@ def noisy_loss(params, mb, rng):
   return xent_loss(params, {"x": mb["x"] * keep / 0.7, "y": mb["y"]})
 
 
+@pytest.mark.slow
 def test_each_microbatch_gets_fold_in_of_its_index():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)

@@ -66,6 +66,7 @@ def data(batch_size, key=1):
 # --- results equal the single-device big-batch step ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,k", [("explicit", 2), ("auto", 4)])
 def test_replicated_params_match_the_big_batch_step_over_two_windows(kind, k):
   mesh = mesh_1d(kind)
@@ -111,6 +112,7 @@ def token_loss(params, batch):
   return jnp.sum(nll * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
 
 
+@pytest.mark.slow
 def test_token_weighted_with_uneven_tokens_per_device_matches_the_big_batch_step():
   mesh, k = mesh_1d(), 4
   params = init_mlp(jax.random.key(0), SIZES)
@@ -129,6 +131,7 @@ def test_token_weighted_with_uneven_tokens_per_device_matches_the_big_batch_step
   assert float(metrics["weight"]) == float(per_device.sum())  # the global token count
 
 
+@pytest.mark.slow
 def test_value_and_grad_on_a_mesh_matches_jax_value_and_grad():
   mesh, k = mesh_1d("auto"), 2
   params = init_mlp(jax.random.key(0), SIZES)
@@ -146,6 +149,7 @@ def test_value_and_grad_on_a_mesh_matches_jax_value_and_grad():
   assert int(aux["correct"]) == int(ref_aux["correct"])  # integer aux: summed over everything
 
 
+@pytest.mark.slow
 def test_a_window_left_open_by_streaming_is_closed_by_the_mesh_step():
   mesh, k, lr = mesh_1d(), 2, 0.5
   params = init_mlp(jax.random.key(0), SIZES)
@@ -163,6 +167,7 @@ def test_a_window_left_open_by_streaming_is_closed_by_the_mesh_step():
   assert_trees_close(p, expected)
 
 
+@pytest.mark.slow
 def test_sharded_params_match_the_big_batch_step_and_keep_their_sharding():
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
@@ -182,6 +187,7 @@ def test_sharded_params_match_the_big_batch_step_and_keep_their_sharding():
       assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.slow
 def test_params_sharded_over_one_of_two_data_axes():
   """HSDP: the batch is split over ("replica", "data"); params sharded over "data" only."""
   mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(AxisType.Explicit,) * 2)
@@ -331,6 +337,7 @@ def compiled_step(k, mesh, param_specs=None, weight_fn=None, loss_fn=xent_loss, 
 PARAM_SHAPES = sorted(tuple(x.shape) for x in jax.tree.leaves(init_mlp(jax.random.key(0), SIZES)))
 
 
+@pytest.mark.slow
 def test_replicated_step_has_one_all_reduce_after_the_loop_whatever_k():
   """Gradients, loss and weight sums go in one tuple all-reduce after the loop, for any k."""
   mesh = mesh_1d()
@@ -347,6 +354,7 @@ def test_replicated_step_has_one_all_reduce_after_the_loop_whatever_k():
   assert found[2] == found[8]
 
 
+@pytest.mark.slow
 def test_sharded_step_gathers_params_once_and_reduce_scatters_once_per_param():
   mesh = mesh_1d()
   found = {}
@@ -438,6 +446,7 @@ def free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_on_one_global_mesh_train_like_one_device(tmp_path):
   """2 processes x 2 CPU devices (gloo collectives): 2 windows equal the one-device steps."""
   k = 2
