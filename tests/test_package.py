@@ -42,6 +42,7 @@ def test_public_names_are_reexported():
   assert importlib.resources.files("gradaccum_jax").joinpath("py.typed").is_file()
 
 
+@pytest.mark.slow
 def test_demo_runs_and_agrees(capsys, tmp_path):
   argv = ["--steps", "3", "--k", "4", "--microbatch-size", "8", "--hidden", "16"]
   assert main([*argv, "--out", str(tmp_path), "--quiet"]) == 0
