@@ -2,11 +2,13 @@
 
 import importlib.metadata
 
+from gradaccum_jax._accumulate import Accumulate as Accumulate
 from gradaccum_jax._accumulate import AccumulateState as AccumulateState
 from gradaccum_jax._accumulate import DynamicLossScale as DynamicLossScale
 from gradaccum_jax._accumulate import LossScaleState as LossScaleState
 from gradaccum_jax._accumulate import NoiseScaleState as NoiseScaleState
 from gradaccum_jax._accumulate import accumulate as accumulate
+from gradaccum_jax._accumulate import flush as flush
 from gradaccum_jax._accumulate import has_updated as has_updated
 from gradaccum_jax._accumulate import noise_scale as noise_scale
 from gradaccum_jax._autosize import auto_microbatch as auto_microbatch
@@ -28,6 +30,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+unknown"
 
 __all__ = (
+  "Accumulate",
   "AccumulateState",
   "DynamicLossScale",
   "EquivalenceReport",
@@ -35,6 +38,7 @@ __all__ = (
   "NoiseScaleState",
   "accumulate",
   "auto_microbatch",
+  "flush",
   "check_equivalence",
   "has_updated",
   "linen_train_step",

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import operator
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from gradaccum_jax._checks import (
+  NumMicrobatches,
+  check_num_microbatches,
+  check_same_structure,
+  check_scheduled_k,
+  check_trainable,
+  check_weight,
+)
+from gradaccum_jax._parts import Weighting, sq_norm
+
 Params = optax.Params
 Updates = optax.Updates
 OptState = optax.OptState
-
-# An int, or a schedule ``count -> int`` (``count``: windows closed so far).
-NumMicrobatches = int | Callable[[jax.Array], Any]
 
 
 class AccumulateState(NamedTuple):
@@ -87,12 +92,6 @@ class NoiseScaleState(NamedTuple):
   examples: jax.Array
 
 
-def sq_norm(tree: Any) -> jax.Array:
-  """The squared global norm of ``tree``, in float32."""
-  leaves = jax.tree.leaves(tree)
-  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
-
-
 def add_noise_sums(
   ns: NoiseScaleState, sq: jax.Array, weight: jax.Array | None, examples: Any = 1.0
 ) -> NoiseScaleState:
@@ -104,6 +103,13 @@ def add_noise_sums(
     sq_sum=ns.sq_sum + jnp.where(pos, weight * sq, 0.0),
     num=ns.num + pos.astype(jnp.float32),
     examples=ns.examples + jnp.where(pos, weight, 0.0),
+  )
+
+
+def add_noise_window(ns: NoiseScaleState, sums: Any) -> NoiseScaleState:
+  """Adds a fused window's noise sums (a ``NoiseSums``) to the open window's."""
+  return ns._replace(
+    sq_sum=ns.sq_sum + sums.sq_sum, num=ns.num + sums.num, examples=ns.examples + sums.examples
   )
 
 
@@ -265,27 +271,6 @@ def has_updated(state: AccumulateState) -> jax.Array:
   return state.updated
 
 
-def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> NumMicrobatches:
-  """Validates ``num_microbatches``: a positive int (or a schedule)."""
-  if callable(num_microbatches) and not isinstance(num_microbatches, type):
-    if allow_schedule:
-      return num_microbatches
-    raise TypeError(
-      f"{num_microbatches=} is a schedule; the fused train_step needs a"
-      " fixed int number of micro-batches per window. Pass an int to"
-      " ga.accumulate, or drive a schedule with tx.update (streaming mode)."
-    )
-  if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
-    raise TypeError(
-      f"{num_microbatches=} must be a positive int (the number of"
-      " micro-batches per optimizer step)."
-    )
-  k = operator.index(num_microbatches)
-  if k <= 0:
-    raise ValueError(f"{num_microbatches=} must be a positive int, got {k}.")
-  return k
-
-
 def _tree_all_finite(tree: Any) -> jax.Array:
   leaves = jax.tree.leaves(tree)
   if not leaves:
@@ -293,60 +278,20 @@ def _tree_all_finite(tree: Any) -> jax.Array:
   return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
 
 
-def check_same_structure(grads: Any, reference: Any, what: str) -> None:
-  """Raises ValueError unless ``grads`` has the structure and shapes of ``reference``."""
-  gdef, rdef = jax.tree.structure(grads), jax.tree.structure(reference)
-  if gdef != rdef:
-    raise ValueError(
-      f"The {what} do not match the structure of the parameters that"
-      f" tx.init was called with.\n  {what}: {gdef}\n  params: {rdef}\nPass"
-      " gradients with exactly the structure of the params (for equinox, filter"
-      " both with the same eqx.filter)."
-    )
-  for (path, g), r in zip(
-    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
-  ):
-    if jnp.shape(g) != jnp.shape(r):
-      raise ValueError(
-        f"The {what} leaf at {jax.tree_util.keystr(path)} has shape"
-        f" {jnp.shape(g)}, but the parameter has shape {jnp.shape(r)}."
-      )
-
-
-def weighted_add(acc: Any, tree: Any, weight: jax.Array | None) -> Any:
-  """``acc + w * tree`` leafwise in ``acc``'s dtypes; a zero weight adds exactly 0.
-
-  ``weight=None`` means 1 and costs no multiply. With a weight, the guard is a
-  select, so a micro-batch of weight 0 whose values are NaN (a 0/0 mean loss)
-  contributes nothing.
-  """
-  if weight is None:
-    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
-  return jax.tree.map(
-    lambda a, x: a + jnp.where(weight > 0, x.astype(a.dtype) * weight.astype(a.dtype), 0),
-    acc,
-    tree,
-  )
+def accum_dtype_for(like: Any, accum_dtype: Any) -> Any:
+  """The accumulator's dtype for a leaf like ``like``: ``accum_dtype``'s precision, complex
+  for a complex leaf (complex64 for float32); the leaf's own dtype if ``accum_dtype`` is None."""
+  dtype = jnp.result_type(like)
+  if accum_dtype is None:
+    return dtype
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.promote_types(accum_dtype, jnp.complex64)
+  return accum_dtype
 
 
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
   """Zeros shaped like ``params``, in ``accum_dtype`` (the params' dtypes if None)."""
-  return jax.tree.map(
-    lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p) if accum_dtype is None else accum_dtype),
-    params,
-  )
-
-
-def check_weight(weight: Any, what: str = "weight") -> jax.Array:
-  """A scalar float32 weight, or ValueError naming the shape that was given."""
-  shape = jnp.shape(weight)
-  if shape != ():
-    raise ValueError(
-      f"{what} must be a scalar (the number of examples or tokens in the"
-      f" micro-batch), got an array of shape {shape}. Reduce it, e.g. to"
-      " mask.sum()."
-    )
-  return jnp.asarray(weight, jnp.float32)
+  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accum_dtype_for(p, accum_dtype)), params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -383,7 +328,26 @@ class _Accumulator:
     k = self.num_microbatches
     if isinstance(k, int):
       return k
-    return jnp.maximum(jnp.asarray(k(count), jnp.int32), 1)
+    return jnp.maximum(check_scheduled_k(k(count)), 1)
+
+  def check_state(self, state: Any) -> AccumulateState:
+    """``state`` if it is an :class:`AccumulateState` with every part this transformation uses."""
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+        "state must be tx.init(params) of this ga.accumulate transformation (an"
+        f" AccumulateState from tx.init), got {type(state).__name__}."
+      )
+    for feature, field, setting in (
+      ("loss_scale", "loss_scale", self.loss_scale),
+      ("noise_scale_ema", "noise_scale", self.noise_scale_ema),
+    ):
+      if setting is not None and getattr(state, field) is None:
+        raise ValueError(
+          f"This transformation has {feature}={setting!r}, but the state has no {field}"
+          f" (it was made without it). Upgrade a saved state with"
+          f" state._replace({field}=tx.init(params).{field})."
+        )
+    return state
 
   def close(
     self,
@@ -396,18 +360,36 @@ class _Accumulator:
   ) -> tuple[Updates, AccumulateState]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
-    Returns the updates and the new state. A window with zero total weight, or a non-finite mean
-    gradient when ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state
-    kept. With loss scaling, ``acc_grads`` holds scaled gradients. The selection is a
-    ``jnp.where``, not a ``lax.cond``, so the inner optimizer runs exactly once and XLA keeps one
-    copy of its state.
+    Returns the updates and the new state. A window with zero or non-finite total weight, or a
+    non-finite mean gradient when ``skip_nonfinite`` or loss scaling is on, is voided: zero
+    updates, inner state kept. With loss scaling, ``acc_grads`` holds scaled gradients. The
+    selection is a ``jnp.where``, not a ``lax.cond``, so the inner optimizer runs exactly once
+    and XLA keeps one copy of its state. ``extra_args`` go to ``inner`` (the fused step passes
+    the window's mean loss as ``value`` and mean gradient as ``grad``).
     """
-    nonempty = acc_weight > 0
+    nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     denom = jnp.where(nonempty, acc_weight, 1.0)
     if state.loss_scale is not None:
       denom = denom * state.loss_scale.scale
-    mean = jax.tree.map(lambda a, g: (a / denom).astype(g.dtype), acc_grads, grad_like)
-    updates, inner_state = self.inner.update(mean, state.inner_state, params, **extra_args)
+    mean = jax.tree.map(lambda a, g: (a / denom).astype(jnp.result_type(g)), acc_grads, grad_like)
+    extra_args = {k: (mean if v is MEAN_GRADIENT else v) for k, v in extra_args.items()}
+    try:
+      updates, inner_state = self.inner.update(mean, state.inner_state, params, **extra_args)
+    except TypeError as e:
+      if "value_fn" in str(e):
+        raise TypeError(
+          "The inner optimizer needs value_fn= (a line search, e.g. optax.lbfgs), which would"
+          " re-evaluate the loss over the whole window at new params: ga cannot provide it."
+          " Use an optimizer without a line search, or a fixed learning rate."
+        ) from e
+      if "'value'" in str(e) or "'grad'" in str(e):
+        raise TypeError(
+          f"The inner optimizer needs extra arguments ({e}). ga.train_step passes the window's"
+          " mean loss as value= and its mean gradient as grad=; in streaming mode pass them to"
+          " the tx.update call that closes the window, e.g. tx.update(g, state, params,"
+          " value=window_mean_loss)."
+        ) from e
+      raise
     ok = nonempty
     loss_scale = state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:
@@ -419,22 +401,6 @@ class _Accumulator:
     inner_state = jax.tree.map(
       lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
     )
-    noise = state.noise_scale
-    if noise is not None:
-      g2, trace = noise_estimates(
-        acc_grads, acc_weight, noise, None if state.loss_scale is None else state.loss_scale.scale
-      )
-      use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
-      d = self.noise_scale_ema
-      zero = jnp.zeros((), jnp.float32)
-      noise = NoiseScaleState(
-        g2_ema=jnp.where(use, d * noise.g2_ema + (1 - d) * g2, noise.g2_ema),
-        trace_ema=jnp.where(use, d * noise.trace_ema + (1 - d) * trace, noise.trace_ema),
-        count=jnp.where(use, optax.safe_increment(noise.count), noise.count),
-        sq_sum=zero,
-        num=zero,
-        examples=zero,
-      )
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -444,9 +410,28 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
       loss_scale=loss_scale,
-      noise_scale=noise,
+      noise_scale=self._next_noise(state, acc_grads, acc_weight, ok),
     )
     return updates, new_state
+
+  def _next_noise(self, state, acc_grads, acc_weight, ok) -> NoiseScaleState | None:
+    """The noise-scale EMAs after a window, updated if it was applied and estimable."""
+    noise = state.noise_scale
+    if noise is None:
+      return None
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+    g2, trace = noise_estimates(acc_grads, acc_weight, noise, scale)
+    use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
+    d = self.noise_scale_ema
+    zero = jnp.zeros((), jnp.float32)
+    return NoiseScaleState(
+      g2_ema=jnp.where(use, d * noise.g2_ema + (1 - d) * g2, noise.g2_ema),
+      trace_ema=jnp.where(use, d * noise.trace_ema + (1 - d) * trace, noise.trace_ema),
+      count=jnp.where(use, optax.safe_increment(noise.count), noise.count),
+      sq_sum=zero,
+      num=zero,
+      examples=zero,
+    )
 
   def update(
     self,
@@ -457,16 +442,17 @@ class _Accumulator:
     weight: Any = None,
     **extra_args: Any,
   ) -> tuple[Updates, AccumulateState]:
-    if not isinstance(state, AccumulateState):
-      raise TypeError(
-        f"state must be the AccumulateState from tx.init, got {type(state).__name__}."
-      )
+    state = self.check_state(state)
     check_same_structure(grads, state.acc_grads, "grads")
-    w = None if weight is None else check_weight(weight)
-    acc = weighted_add(state.acc_grads, grads, w)
-    acc_weight = state.acc_weight + (1.0 if w is None else jnp.where(w > 0, w, 0.0))
+    check_trainable(grads, "grads")
+    wt = _UNWEIGHTED if weight is None else _WEIGHTED
+    w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
+    acc = wt.add(state.acc_grads, grads, w)
+    acc_weight = state.acc_weight + wt.total(w)
     if state.noise_scale is not None:
-      state = state._replace(noise_scale=add_noise_sums(state.noise_scale, sq_norm(grads), w))
+      state = state._replace(
+        noise_scale=add_noise_sums(state.noise_scale, sq_norm(grads), None if weight is None else w)
+      )
     micro_step = optax.safe_increment(state.micro_step)
     grad_like = grads if params is None else params
 
@@ -490,6 +476,61 @@ class _Accumulator:
     emit = micro_step >= self.window_size(state.count)
     return jax.lax.cond(emit, close, hold, (acc, acc_weight, state))
 
+  def flush(
+    self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
+  ) -> tuple[Updates, AccumulateState]:
+    """Closes the open window now; an empty one (no micro-step) changes nothing."""
+    state = self.check_state(state)
+    grad_like = state.acc_grads if params is None else params
+
+    def close(state):
+      return self.close(state.acc_grads, state.acc_weight, state, params, grad_like, extra_args)
+
+    def keep(state):
+      updates = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
+      return updates, state._replace(updated=jnp.zeros((), bool))
+
+    updates_shape = jax.eval_shape(close, state)[0]
+    return jax.lax.cond(state.micro_step > 0, close, keep, state)
+
+
+_UNWEIGHTED = Weighting(None)
+_WEIGHTED = Weighting(check_weight)
+
+# Stands for the window's mean gradient in the extra arguments the fused step gives ``close``.
+MEAN_GRADIENT = object()
+
+
+class Accumulate(optax.GradientTransformationExtraArgs):
+  """What :func:`accumulate` returns: an ``optax.GradientTransformationExtraArgs`` whose
+  settings are attributes (``num_microbatches``, ``inner``, ``accum_dtype``,
+  ``skip_nonfinite``, ``loss_scale``, ``noise_scale_ema``)."""
+
+  __slots__ = ()
+
+  @property
+  def settings(self) -> _Accumulator:
+    return self.update.__self__
+
+  num_microbatches = property(lambda self: self.settings.num_microbatches)
+  inner = property(lambda self: self.settings.inner)
+  accum_dtype = property(lambda self: self.settings.accum_dtype)
+  skip_nonfinite = property(lambda self: self.settings.skip_nonfinite)
+  loss_scale = property(lambda self: self.settings.loss_scale)
+  noise_scale_ema = property(lambda self: self.settings.noise_scale_ema)
+
+  def fixed_num_microbatches(self, where: str) -> int:
+    """``k``, or a TypeError naming ``where`` if ``num_microbatches`` is a schedule."""
+    k = self.num_microbatches
+    if not isinstance(k, int):
+      raise TypeError(
+        f"{where} needs a fixed int number of micro-batches per window, but this"
+        f" ga.accumulate has the schedule num_microbatches={k!r}. Pass an int to"
+        " ga.accumulate, drive a schedule with tx.update (streaming mode), or use"
+        " ga.ramp_train_step."
+      )
+    return k
+
 
 def accumulate(
   inner: optax.GradientTransformation,
@@ -499,7 +540,7 @@ def accumulate(
   skip_nonfinite: bool = True,
   loss_scale: DynamicLossScale | None = None,
   noise_scale_ema: float | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> Accumulate:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
   Each call to ``update`` adds one micro-batch gradient ``g_i`` with weight
@@ -647,16 +688,52 @@ def accumulate(
     loss_scale=loss_scale,
     noise_scale_ema=noise_scale_ema,
   )
-  return optax.GradientTransformationExtraArgs(acc.init, acc.update)
+  return Accumulate(acc.init, acc.update)
 
 
-def get_accumulator(tx: Any) -> _Accumulator:
-  """The settings behind a transformation made by :func:`accumulate`."""
-  owner = getattr(getattr(tx, "update", None), "__self__", None)
-  if not isinstance(owner, _Accumulator):
+def as_accumulate(tx: Any, what: str = "tx") -> Accumulate:
+  """``tx`` if it is made by :func:`accumulate`, else a TypeError that says how to make one."""
+  if not isinstance(tx, Accumulate):
     raise TypeError(
-      f"tx must be made by ga.accumulate(inner, num_microbatches), got"
+      f"{what} must be made by ga.accumulate(inner, num_microbatches), got"
       f" {type(tx).__name__}. Wrap your optimizer: tx = ga.accumulate(optax.adam(1e-3), k);"
       " put clipping and schedules inside `inner`."
     )
-  return owner
+  return tx
+
+
+def flush(
+  tx: Accumulate, state: AccumulateState, params: Params | None = None, **extra_args: Any
+) -> tuple[Updates, AccumulateState]:
+  r"""Closes the open window now, with the micro-batches accumulated so far.
+
+  For the end of an epoch or a data file: ``inner`` is applied once to the
+  weighted mean :math:`G = \sum_i w_i g_i / \sum_i w_i` of the ``m < k``
+  micro-batches that streaming ``tx.update`` calls (or an open window of the
+  fused steps) have accumulated, exactly the update of one batch made of
+  them, and the next window starts empty. A window with no micro-batch gives
+  zero updates and the state unchanged (not counted as a step). Jit-able:
+  ``m`` may be traced.
+
+  Args:
+    tx: a transformation made by :func:`accumulate`.
+    state: its :class:`AccumulateState`.
+    params: the params, for inner optimizers that need them (weight decay).
+    **extra_args: forwarded to ``inner``.
+
+  Returns:
+    ``(updates, state)``, as the closing ``tx.update`` would return them.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.accumulate(optax.sgd(1.0), num_microbatches=4)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for g in (jnp.array([1.0, 0.0]), jnp.array([3.0, 2.0])):  # only 2 of 4
+    ...   _, state = tx.update(g, state, params)
+    >>> updates, state = ga.flush(tx, state, params)
+    >>> updates, int(state.count), int(state.micro_step)
+    (Array([-2., -1.], dtype=float32), 1, 0)
+  """
+  return as_accumulate(tx).settings.flush(state, params, extra_args)

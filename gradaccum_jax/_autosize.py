@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._accumulate import accumulate, get_accumulator
-from gradaccum_jax._microbatch import check_batch
+from gradaccum_jax._accumulate import Accumulate, accumulate
+from gradaccum_jax._checks import check_batch, check_num_microbatches
 from gradaccum_jax._train_step import train_step
 
 
@@ -21,29 +20,12 @@ def _abstract(tree: Any) -> Any:
   return jax.eval_shape(lambda t: t, tree)
 
 
-def _is_accumulated(tx: Any) -> bool:
-  try:
-    get_accumulator(tx)
-  except TypeError:
-    return False
-  return True
-
-
-def _check_k(num_microbatches: Any) -> int:
-  if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
-    raise TypeError(f"num_microbatches={num_microbatches!r} must be a positive int.")
-  k = operator.index(num_microbatches)
-  if k <= 0:
-    raise ValueError(f"num_microbatches={k} must be a positive int.")
-  return k
-
-
 def _memory_analysis(
   loss_fn, params, batch, k, tx, has_aux, weight_fn, compute_dtype, accum_dtype, donate
 ):
   if tx is None:
     tx = optax.sgd(0.0)
-  if _is_accumulated(tx):
+  if isinstance(tx, Accumulate):
     raise TypeError(
       "tx is already a ga.accumulate(...) transformation; pass the inner optimizer"
       " (e.g. optax.adam(1e-3)): the number of micro-batches is what is being chosen."
@@ -139,7 +121,7 @@ def step_memory(
     >>> ga.step_memory(loss_fn, params, batch, num_microbatches=4) > 0
     True
   """
-  k = _check_k(num_microbatches)
+  k = check_num_microbatches(num_microbatches, allow_schedule=False)
   check_batch(_abstract(batch), k)
   analysis = _memory_analysis(
     loss_fn, params, batch, k, tx, has_aux, weight_fn, compute_dtype, accum_dtype, donate

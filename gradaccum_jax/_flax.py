@@ -5,16 +5,17 @@ flax is an optional dependency: it is imported when a step is built, not with th
 
 from __future__ import annotations
 
-import numbers
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from gradaccum_jax._accumulate import check_num_microbatches, get_accumulator
-from gradaccum_jax._microbatch import check_batch, microbatch
-from gradaccum_jax._model_state import check_batchnorm_mode
-from gradaccum_jax._train_step import train_step
+from gradaccum_jax._accumulate import as_accumulate
+from gradaccum_jax._checks import check_batch
+from gradaccum_jax._microbatch import microbatch
+from gradaccum_jax._options import LossSpec, make_options, split_output
+from gradaccum_jax._train_step import JitStep, fused_step
 
 
 def _import_linen():
@@ -46,17 +47,6 @@ def _rng_collections(rng_collections: Any) -> tuple[str, ...]:
   return names
 
 
-def _check_momentum(momentum: Any) -> None:
-  if momentum is None:
-    return
-  real = isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
-  if not (real and 0.0 <= float(momentum) < 1.0):
-    raise ValueError(
-      f"batchnorm_momentum={momentum!r} must be a float in [0, 1): the momentum m of the"
-      " BatchNorm running averages (new = m * old + (1 - m) * batch statistic)."
-    )
-
-
 def linen_train_step(
   module: Any,
   loss_fn: Callable[..., Any],
@@ -70,6 +60,10 @@ def linen_train_step(
   rng_collections: Sequence[str] = ("dropout",),
   donate: bool = False,
   jit: bool = True,
+  compute_dtype: Any = None,
+  mesh: Any = None,
+  data_axis: str | tuple[str, ...] | None = None,
+  param_specs: Any = None,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
@@ -129,9 +123,15 @@ def linen_train_step(
     donate: donate ``train_state`` to the step (its arrays are then invalid).
     jit: return the step jitted (default), or traceable, to call inside your
       own ``jax.jit``.
+    compute_dtype, mesh, data_axis, param_specs: as in :func:`train_step`:
+      mixed precision, and data-parallel training over a mesh (every device
+      threads ``batch_stats`` through its own micro-batches, which are then
+      averaged over the devices; see :func:`train_step`).
 
   Returns:
-    ``step(train_state, batch, rng=None) -> (train_state, metrics)``, with
+    ``step(train_state, batch, rng=None, *, num_real_microbatches=None) ->
+    (train_state, metrics)`` (``num_real_microbatches``: as in
+    :func:`train_step`), with
     ``metrics`` as in :func:`train_step` (``"loss"``, ``"grad_norm"``,
     ``"weight"``, ``"updated"``, and ``"aux"`` with ``has_aux``).
 
@@ -171,8 +171,20 @@ def linen_train_step(
     >>> int(state.step), int(state.opt_state.count), metrics["loss"].shape
     (1, 1, ())
   """
-  check_batchnorm_mode(batchnorm)
-  _check_momentum(batchnorm_momentum)
+  options = make_options(
+    "linen_train_step",
+    loss_fn,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    has_state=True,
+    batchnorm=batchnorm,
+    batchnorm_momentum=batchnorm_momentum,
+    compute_dtype=compute_dtype,
+    mesh=mesh,
+    data_axis=data_axis,
+    param_specs=param_specs,
+    momentum_from_model=True,
+  )
   if not (isinstance(inputs, str) or callable(inputs)):
     raise TypeError(
       f"{inputs=} must be the key of the model input in the batch (a str) or a callable"
@@ -271,16 +283,8 @@ def linen_train_step(
       )
     return float(momenta.pop())
 
-  def step(train_state, batch, rng=None):
-    tx = getattr(train_state, "tx", None)
-    try:
-      acc = get_accumulator(tx)
-    except TypeError as e:
-      raise TypeError(
-        f"train_state.tx must be made by ga.accumulate(inner, num_microbatches), got"
-        f" {type(tx).__name__}. Create the state with TrainState.create(...,"
-        " tx=ga.accumulate(optax.adam(1e-3), k))."
-      ) from e
+  def step(train_state, batch, rng=None, *, num_real_microbatches=None):
+    tx = as_accumulate(getattr(train_state, "tx", None), "train_state.tx")
     has_field = hasattr(train_state, "batch_stats")
     stats = train_state.batch_stats if has_field else {}
     with_stats = bool(jax.tree.leaves(stats))
@@ -305,41 +309,24 @@ def linen_train_step(
           f"\n  module:      {jax.tree.structure(new_stats)}\nSet it to"
           " module.init(...)['batch_stats'] for this module."
         )
-      res = loss_fn(out, mb)
-      if has_aux:
-        if not (isinstance(res, tuple | list) and len(res) == 2):
-          raise TypeError(
-            f"With has_aux=True, loss_fn must return a pair (loss, aux), got {type(res).__name__}."
-          )
-        return res[0], (res[1], new_stats)
-      if isinstance(res, tuple | list):
-        raise TypeError(
-          f"loss_fn returned a {type(res).__name__} of length {len(res)}; if it returns"
-          " (loss, aux), pass has_aux=True."
-        )
-      return res, new_stats
+      value, aux = split_output(loss_fn(out, mb), has_aux)
+      return value, (aux, new_stats)
 
-    momentum = batchnorm_momentum
+    momentum = options.batchnorm_momentum
     if batchnorm == "per_window" and momentum is None:
-      k = check_num_microbatches(acc.num_microbatches, allow_schedule=False)
-      check_batch(batch, k)
-      mb0 = microbatch(batch, 0, k)
+      k = tx.fixed_num_microbatches("linen_train_step")
+      mb0 = microbatch(batch, 0, k) if check_batch(batch, k) else None
       momentum = infer_momentum(
         train_state.params, stats, mb0, None if rng is None else jax.random.fold_in(rng, 0)
       )
-    inner = train_step(
-      loss,
-      tx,
-      has_aux=has_aux,
-      weight_fn=weight_fn,
-      jit=False,
-      has_state=True,
-      batchnorm=batchnorm,
-      batchnorm_momentum=None if momentum is None else float(momentum),
+    opts = dataclasses.replace(
+      options, loss=LossSpec(loss, True, True), batchnorm_momentum=momentum
     )
-    params, new_stats, opt_state, metrics = inner(
-      train_state.params, stats, train_state.opt_state, batch, rng
+    params, new_stats, opt_state, metrics = fused_step(opts, tx)(
+      train_state.params, stats, train_state.opt_state, batch, rng, num_real_microbatches
     )
+    if not has_aux:
+      metrics.pop("aux")
     updates = {"step": train_state.step + 1, "params": params, "opt_state": opt_state}
     if has_field:
       updates["batch_stats"] = new_stats
@@ -347,4 +334,7 @@ def linen_train_step(
 
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+  return JitStep(
+    jitted, lambda args: as_accumulate(args[0].tx).fixed_num_microbatches("linen_train_step")
+  )

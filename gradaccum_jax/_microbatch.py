@@ -1,4 +1,4 @@
-"""Splitting a batch into micro-batches and summing their weighted gradients in a ``lax.scan``."""
+"""The micro-batched gradient: split a batch, scan its micro-batches, sum what the units keep."""
 
 from __future__ import annotations
 
@@ -9,51 +9,25 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._accumulate import (
+from gradaccum_jax._accumulate import zeros_accumulator
+from gradaccum_jax._checks import (
+  check_batch,
   check_num_microbatches,
-  check_weight,
-  sq_norm,
-  weighted_add,
-  zeros_accumulator,
+  check_real_microbatches,
+  check_trainable,
+  is_inexact,
 )
-from gradaccum_jax._model_state import ModelStatePlan, check_batchnorm, check_state_like
-from gradaccum_jax._sharding import make_data_parallel, sharded_sums, to_varying
-
-
-def check_batch(batch: Any, num_microbatches: int) -> int:
-  """Returns the batch size B, after checking every leaf has it and k divides it."""
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  if not leaves:
-    raise ValueError(
-      "batch has no array leaves; pass a pytree of arrays with a leading batch axis."
-    )
-  sizes = {}
-  for path, x in leaves:
-    shape = jnp.shape(x)
-    name = jax.tree_util.keystr(path) or "batch"
-    if not shape:
-      raise ValueError(
-        f"batch leaf {name} is a scalar; every batch leaf needs a leading batch"
-        " dimension (pass constants through a closure or the params instead)."
-      )
-    sizes[name] = shape[0]
-  if len(set(sizes.values())) > 1:
-    listing = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-    raise ValueError(
-      f"batch leaves have different leading (batch) dimensions: {listing}. Every"
-      " leaf must have the same batch size B on axis 0."
-    )
-  batch_size = next(iter(sizes.values()))
-  k = num_microbatches
-  if batch_size % k:
-    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    shown = divisors if len(divisors) <= 12 else divisors[:6] + ["..."] + divisors[-3:]
-    raise ValueError(
-      f"batch size B={batch_size} is not divisible by num_microbatches k={k}."
-      f" Use a batch size that is a multiple of {k}, or a k that divides"
-      f" {batch_size} (divisors: {', '.join(map(str, shown))})."
-    )
-  return batch_size
+from gradaccum_jax._options import Options, make_options
+from gradaccum_jax._parts import (
+  Micro,
+  ModelStateUnit,
+  NoiseSums,
+  NoiseUnit,
+  Off,
+  Sums,
+  SumsUnit,
+)
+from gradaccum_jax._sharding import over_mesh, to_varying
 
 
 def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any:
@@ -63,8 +37,28 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
   place: every micro-batch takes ``b / D`` rows from each of ``D`` devices, so
   no row crosses devices. The reshape to ``(b, k, ...)`` is free (no copy);
   only the ``b`` selected rows are gathered, one micro-batch at a time.
+
+  Args:
+    batch: a pytree of arrays whose leaves share a leading axis ``B``, a
+      multiple of ``k``.
+    index: which micro-batch, ``0 <= index < k`` (an int or a traced int).
+    num_microbatches: ``k``.
+
+  Returns:
+    The micro-batch: ``batch`` with every leaf's leading axis ``B / k``.
+
+  Raises:
+    IndexError: for a concrete ``index`` outside ``[0, k)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradaccum_jax as ga
+    >>> ga.microbatch(jnp.arange(6), 1, num_microbatches=3)
+    Array([1, 4], dtype=int32)
   """
-  k = num_microbatches
+  k = check_num_microbatches(num_microbatches, allow_schedule=False)
+  if not isinstance(index, jax.core.Tracer) and not 0 <= int(index) < k:
+    raise IndexError(f"micro-batch {index=} is out of range for num_microbatches={k}.")
 
   def take(x):
     x = jnp.asarray(x)
@@ -74,97 +68,63 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
   return jax.tree.map(take, batch)
 
 
-class Sums(NamedTuple):
-  """Weighted sums over the micro-batches of one batch."""
+def cast_floats(tree: Any, dtype: Any) -> Any:
+  """Float leaves of ``tree`` cast to ``dtype`` (mixed precision); others unchanged."""
+  return jax.tree.map(
+    lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree
+  )
 
-  grads: Any  # sum_i w_i g_i, added to the initial accumulator
-  weight: jax.Array  # sum_i w_i over this batch's micro-batches (float32)
-  loss: jax.Array  # sum_i w_i L_i (float32)
-  aux: Any  # float leaves: sum_i w_i aux_i; integer leaves: sum_i aux_i
+
+class Carry(NamedTuple):
+  """The scan's carry: one typed part per unit (``()`` for a unit that is off)."""
+
+  sums: Sums
+  noise: NoiseSums | tuple[()]
+  model: Any  # a ModelCarry, or ()
+
+
+class Window(NamedTuple):
+  """The sums of one batch's micro-batches, and what they were made of."""
+
+  sums: Sums
+  noise: NoiseSums | tuple[()]
   model_state: Any  # the model state after the window (None without has_state)
-  loss_like: Any  # jax.ShapeDtypeStruct of one micro-batch's loss
-  aux_like: Any  # ... and of its aux
-  # With noise_scale: (sum_i w_i |g_i|^2, micro-batches of positive weight, examples), float32
-  noise: Any = None
+  loss_like: jax.ShapeDtypeStruct  # one micro-batch's loss ...
+  aux_like: Any  # ... and aux
+  num: Any  # the micro-batches summed (k, or num_real_microbatches)
+
+  def means(self) -> tuple[jax.Array, Any]:
+    """The weighted mean loss and aux, in the dtypes ``loss_fn`` returned (integer aux: sums)."""
+    w = self.sums.weight
+    loss = safe_mean(self.sums.loss, w).astype(self.loss_like.dtype)
+    aux = jax.tree.map(
+      lambda a, like: safe_mean(a, w).astype(like.dtype) if is_inexact(like) else a,
+      self.sums.aux,
+      self.aux_like,
+    )
+    return loss, aux
 
 
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _cast_floats(tree: Any, dtype: Any) -> Any:
-  return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
+  """``total / weight``, and 0 where the weight is 0."""
+  return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
-  """A loss function and how to sum its gradients over micro-batches."""
+  """The core: a loss function's window sums over the ``k`` micro-batches of a batch."""
 
-  loss_fn: Callable[..., Any]
+  options: Options
   num_microbatches: int
-  has_aux: bool
-  weight_fn: Callable[[Any], Any] | None
-  has_state: bool = False
-  batchnorm: str = "sequential"
-  batchnorm_momentum: float | None = None
-  compute_dtype: Any = None
-  data_parallel: Any = None  # a _sharding.DataParallel: scan per device, reduce once
-  vary_axes: tuple[str, ...] = ()  # inside shard_map: the axes to make the carry vary over
-  noise_scale: bool = False  # also sum w_i |g_i|^2 for the gradient noise scale (Sums.noise)
-
-  def __post_init__(self):
-    check_batchnorm(self.batchnorm, self.batchnorm_momentum, self.has_state)
-
-  def _parse(self, out: Any) -> tuple[Any, Any, Any]:
-    """Splits loss_fn's output into (loss, aux, new_model_state)."""
-    what = "(loss, aux)" if self.has_aux else "loss"
-    if self.has_state:
-      what = "(loss, (aux, new_model_state))" if self.has_aux else "(loss, new_model_state)"
-    if self.has_aux or self.has_state:
-      if not (isinstance(out, tuple | list) and len(out) == 2):
-        flags = " and ".join(
-          n for n, f in (("has_aux", self.has_aux), ("has_state", self.has_state)) if f
-        )
-        raise TypeError(
-          f"With {flags}=True, loss_fn must return a pair {what}, got {type(out).__name__}."
-        )
-      loss, rest = out
-      if self.has_state and self.has_aux:
-        if not (isinstance(rest, tuple | list) and len(rest) == 2):
-          raise TypeError(f"With has_aux and has_state, loss_fn must return {what}.")
-        aux, new_state = rest
-      elif self.has_state:
-        aux, new_state = None, rest
-      else:
-        aux, new_state = rest, None
-    elif isinstance(out, tuple | list):
-      raise TypeError(
-        f"loss_fn returned a {type(out).__name__} of length {len(out)}; if it returns"
-        " (loss, aux), pass has_aux=True (and has_state=True for (loss, new_model_state))."
-      )
-    else:
-      loss, aux, new_state = out, None, None
-    if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
-      raise TypeError(f"loss_fn must return a scalar array, got {type(loss).__name__}.")
-    if jnp.shape(loss) != ():
-      hint = "" if self.has_aux else " If it returns (loss, aux), pass has_aux=True."
-      raise ValueError(
-        "loss_fn must return a scalar: the mean loss over its micro-batch; got"
-        f" shape {jnp.shape(loss)}.{hint}"
-      )
-    return loss, aux, new_state
+  noise_scale: bool = False  # also sum w_i |g_i|^2 (Window.noise)
 
   def _objective(self, params, model_state, mb, key, scale):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
-    if self.compute_dtype is not None:
-      params = _cast_floats(params, self.compute_dtype)
-    args = (params, model_state, mb) if self.has_state else (params, mb)
-    out = self.loss_fn(*args) if key is None else self.loss_fn(*args, key)
-    loss, aux, new_state = self._parse(out)
-    if self.has_state:
-      check_state_like(new_state, model_state)
-    scaled = loss.astype(jnp.float32) if scale is None else loss.astype(jnp.float32) * scale
-    return scaled, (loss, aux, new_state)
+    if self.options.compute_dtype is not None:
+      params = cast_floats(params, self.options.compute_dtype)
+    loss, aux, new_state = self.options.loss.call(params, model_state, mb, key)
+    scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+    return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
 
   def sums(
     self,
@@ -174,115 +134,62 @@ class MicrobatchedGrad:
     acc_init: Any,
     model_state: Any = None,
     scale: jax.Array | None = None,
-  ) -> Sums:
-    """Scans the micro-batches, adding ``w_i * scale * g_i`` to ``acc_init``."""
-    if self.data_parallel is not None:
-      return sharded_sums(self, params, batch, rng, acc_init, model_state, scale)
-    k = self.num_microbatches
-    batch_size = check_batch(batch, k)
+    num_real: jax.Array | None = None,
+  ) -> Window:
+    """The window sums of ``batch``, its gradients added to ``acc_init``; on a mesh if set."""
+    check_trainable(params)
+    dp = self.options.parallel
+    if dp is None:
+      return self.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
+    return over_mesh(
+      dp, self.local_sums, self.options.weighting, self.num_microbatches,
+      params, batch, rng, acc_init, model_state, scale, num_real,
+    )  # fmt: skip
+
+  def local_sums(self, params, batch, rng, acc_init, model_state, scale, num_real, vary=()):
+    """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes)."""
+    k, opts = self.num_microbatches, self.options
+    rows = check_batch(batch, k) // k
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
-    if self.vary_axes:  # per-device gradients: no psum of the cotangents inside the loop
-      params = to_varying(params, self.vary_axes)
-    plan = (
-      ModelStatePlan.make(model_state, self.batchnorm, self.batchnorm_momentum)
-      if self.has_state
-      else None
+    if vary:  # per-device gradients: no psum of the cotangents inside the loop
+      params = to_varying(params, vary)
+    sums_unit = SumsUnit(opts.weighting)
+    noise_unit = NoiseUnit(opts.weighting) if self.noise_scale else Off()
+    model_unit = (
+      ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
+      if opts.has_state
+      else Off()
     )
 
-    def one(i, carried_state):
+    def one(i, start):
       mb = microbatch(batch, i, k)
       key = None if rng is None else jax.random.fold_in(rng, i)
-      start = None if plan is None else plan.for_microbatch(carried_state, model_state)
       (_, (loss, aux, new_state)), grads = grad_fn(params, start, mb, key, scale)
-      if self.weight_fn is None:
-        w = None
-      else:
-        w = check_weight(self.weight_fn(mb), "the value of weight_fn(microbatch)")
-      return loss, aux, new_state, grads, w
+      return Micro(loss, aux, grads, opts.weighting.of(mb), new_state)
 
-    loss_like, aux_like, _, _, _ = jax.eval_shape(one, 0, model_state)
-    aux0 = jax.tree.map(
-      lambda s: jnp.zeros(s.shape, jnp.float32 if _is_float(s) else _int_acc_dtype(s)),
-      aux_like,
+    like = jax.eval_shape(one, 0, model_state)
+
+    def body(c: Carry, i) -> tuple[Carry, None]:
+      m = one(i, model_unit.start(c.model))
+      return Carry(
+        sums_unit.update(c.sums, m), noise_unit.update(c.noise, m), model_unit.update(c.model, m)
+      ), None
+
+    init = Carry(
+      sums_unit.init(acc_init, like.loss, like.aux), noise_unit.init(), model_unit.init()
     )
-
-    def body(carry, i):
-      acc, weight, loss_sum, aux_sum, mstate, stats, noise = carry
-      loss, aux, new_state, grads, w = one(i, mstate)
-      if noise is not None:  # sum_i w_i |g_i|^2 and, weighted, the micro-batches of weight > 0
-        sq = sq_norm(grads)
-        if w is None:
-          noise = (noise[0] + sq, None)
-        else:
-          noise = (noise[0] + jnp.where(w > 0, w * sq, 0.0), noise[1] + (w > 0).astype(jnp.float32))
-      acc = weighted_add(acc, grads, w)
-      loss_sum = weighted_add(loss_sum, loss, w)
-      aux_sum = jax.tree.map(
-        lambda a, x: (
-          weighted_add(a, x, w)
-          if _is_float(x)
-          else a + (x.astype(a.dtype) if w is None else jnp.where(w > 0, x, 0).astype(a.dtype))
-        ),
-        aux_sum,
-        aux,
-      )
-      if w is not None:
-        weight = weight + jnp.where(w > 0, w, 0.0)
-      if plan is not None:
-        stats = plan.add(stats, new_state, model_state)
-      return (acc, weight, loss_sum, aux_sum, new_state, stats, noise), None
-
-    # Unweighted, the total weight is the constant k: nothing to carry.
-    weight0 = None if self.weight_fn is None else jnp.zeros((), jnp.float32)
-    stats0 = None if plan is None else plan.stats0(model_state)
-    noise0 = None
-    if self.noise_scale:
-      noise0 = (
-        jnp.zeros((), jnp.float32),
-        None if self.weight_fn is None else jnp.zeros((), jnp.float32),
-      )
-    init = (acc_init, weight0, jnp.zeros((), jnp.float32), aux0, model_state, stats0, noise0)
-    if self.vary_axes:
-      init = to_varying(init, self.vary_axes)
-    (acc, weight, loss_sum, aux_sum, mstate, stats, noise), _ = jax.lax.scan(
-      body, init, jnp.arange(k)
-    )
-    if noise is not None:  # unweighted: k micro-batches of b = B / k examples
-      noise = (
-        (noise[0], jnp.asarray(k, jnp.float32), jnp.asarray(batch_size, jnp.float32))
-        if weight is None
-        else (noise[0], noise[1], weight)
-      )
-    if weight is None:
-      weight = jnp.asarray(k, jnp.float32)
-    if plan is not None:
-      mstate = plan.finish(mstate, stats, model_state, k)
-    return Sums(acc, weight, loss_sum, aux_sum, mstate, loss_like, aux_like, noise)
-
-  def means(self, sums: Sums) -> tuple[jax.Array, Any]:
-    """The weighted mean loss and aux, in the dtypes ``loss_fn`` returned."""
-    loss = safe_mean(sums.loss, sums.weight).astype(sums.loss_like.dtype)
-    aux = jax.tree.map(
-      lambda a, like: safe_mean(a, sums.weight).astype(like.dtype) if _is_float(like) else a,
-      sums.aux,
-      sums.aux_like,
-    )
-    return loss, aux
-
-  def output(self, loss: jax.Array, aux: Any, model_state: Any) -> Any:
-    """The value part in the shape loss_fn returns it."""
-    if self.has_state:
-      return (loss, (aux, model_state)) if self.has_aux else (loss, model_state)
-    return (loss, aux) if self.has_aux else loss
-
-
-def _int_acc_dtype(s: Any) -> Any:
-  return jnp.int32 if jnp.result_type(s) == jnp.bool_ else jnp.result_type(s)
-
-
-def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
-  """``total / weight``, and 0 where the weight is 0."""
-  return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1.0), 0.0)
+    if vary:
+      init = to_varying(init, vary)
+    if num_real is None:  # a fixed trip count: a scan
+      c, _ = jax.lax.scan(body, init, jnp.arange(k))
+      num = k
+    else:  # only the first num_real micro-batches run; the others are not computed
+      c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
+      num = num_real
+    noise = c.noise
+    if isinstance(noise, NoiseSums) and not opts.weighting.weighted:
+      noise = noise._replace(examples=jnp.asarray(num * rows, jnp.float32))  # b rows each
+    return Window(c.sums, noise, model_unit.finish(c.model, num), like.loss, like.aux, num)
 
 
 def value_and_grad(
@@ -375,10 +282,14 @@ def value_and_grad(
       are replicated. Needs ``mesh``.
 
   Returns:
-    A function ``(params, batch, rng=None) -> (loss, grads)``, or ``((loss,
-    aux), grads)`` with ``has_aux``; with ``has_state``, ``(params,
-    model_state, batch, rng=None) -> ((loss, new_model_state), grads)`` or
-    ``((loss, (aux, new_model_state)), grads)``. Micro-batch ``i`` gets the
+    A function ``(params, batch, rng=None, *, num_real_microbatches=None) ->
+    (loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``; with
+    ``has_state``, ``(params, model_state, batch, rng=None, *,
+    num_real_microbatches=None) -> ((loss, new_model_state), grads)`` or
+    ``((loss, (aux, new_model_state)), grads)``. With
+    ``num_real_microbatches=m`` (an int or int32 scalar, ``1 <= m <= k``;
+    changing it does not recompile), only micro-batches ``0..m-1`` are
+    computed and count, as in :func:`train_step`. Micro-batch ``i`` gets the
     key ``jax.random.fold_in(rng, i)`` (with ``mesh``, ``rng`` is first
     folded with the device's index on the data axes).
 
@@ -405,35 +316,40 @@ def value_and_grad(
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
-  dp = make_data_parallel(mesh, data_axis, param_specs, "value_and_grad")
-  mg = MicrobatchedGrad(
+  opts = make_options(
+    "value_and_grad",
     loss_fn,
-    k,
-    bool(has_aux),
-    weight_fn,
-    has_state=bool(has_state),
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    has_state=has_state,
     batchnorm=batchnorm,
     batchnorm_momentum=batchnorm_momentum,
     compute_dtype=compute_dtype,
-    data_parallel=dp,
+    mesh=mesh,
+    data_axis=data_axis,
+    param_specs=param_specs,
   )
+  mg = MicrobatchedGrad(opts, k)
 
-  def compute(params, model_state, batch, rng):
-    s = mg.sums(params, batch, rng, zeros_accumulator(params, accum_dtype), model_state)
-    grads = jax.tree.map(
-      lambda a, p: safe_mean(a, s.weight).astype(jnp.result_type(p)), s.grads, params
+  def compute(params, model_state, batch, rng, num_real):
+    num_real = check_real_microbatches(num_real, k)
+    w = mg.sums(
+      params, batch, rng, zeros_accumulator(params, accum_dtype), model_state, None, num_real
     )
-    loss, aux = mg.means(s)
-    return mg.output(loss, aux, s.model_state), grads
+    grads = jax.tree.map(
+      lambda a, p: safe_mean(a, w.sums.weight).astype(jnp.result_type(p)), w.sums.grads, params
+    )
+    loss, aux = w.means()
+    return opts.loss.pack(loss, aux, w.model_state), grads
 
   if has_state:
 
-    def vg_state(params, model_state, batch, rng=None):
-      return compute(params, model_state, batch, rng)
+    def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
+      return compute(params, model_state, batch, rng, num_real_microbatches)
 
     return vg_state
 
-  def vg(params, batch, rng=None):
-    return compute(params, None, batch, rng)
+  def vg(params, batch, rng=None, *, num_real_microbatches=None):
+    return compute(params, None, batch, rng, num_real_microbatches)
 
   return vg

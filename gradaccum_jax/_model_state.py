@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -17,15 +18,25 @@ def check_batchnorm_mode(batchnorm: str) -> None:
     raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
 
 
-def check_batchnorm(batchnorm: str, momentum: float | None, has_state: bool) -> None:
+def check_batchnorm(
+  batchnorm: str, momentum: float | None, has_state: bool, *, from_model: bool = False
+) -> None:
+  """Checks the BatchNorm mode and momentum (``from_model``: read later from the model)."""
   check_batchnorm_mode(batchnorm)
+  if momentum is not None:
+    real = isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
+    if not (real and 0.0 <= float(momentum) < 1.0):
+      raise ValueError(
+        f"batchnorm_momentum={momentum!r} must be a float in [0, 1): the momentum m of the"
+        " BatchNorm running averages (new = m * old + (1 - m) * batch statistic)."
+      )
   if batchnorm != "sequential" and not has_state:
     raise ValueError(
       f"{batchnorm=} needs the model state: pass has_state=True and a loss_fn(params,"
       " model_state, microbatch) that returns the new model state."
     )
-  if batchnorm == "per_window":
-    if momentum is None or not 0.0 <= float(momentum) < 1.0:
+  if batchnorm == "per_window" and not from_model:
+    if momentum is None:
       raise ValueError(
         f"batchnorm='per_window' needs batchnorm_momentum, the momentum m of the running"
         f" averages (new = m * old + (1 - m) * batch statistic, 0 <= m < 1; flax's default is"
@@ -133,7 +144,7 @@ class ModelStatePlan:
     c, treedef = jax.tree.flatten(carried)
     s = jax.tree.leaves(initial)
     out = list(c)
-    k = float(num_microbatches)
+    k = jnp.asarray(num_microbatches, jnp.float32)
     for i, kind in enumerate(self.kinds):
       if kind is None:
         continue

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from gradaccum_jax._accumulate import get_accumulator
-from gradaccum_jax._model_state import batchnorm_leaves, check_batchnorm_mode
-from gradaccum_jax._train_step import train_step
+from gradaccum_jax._accumulate import as_accumulate
+from gradaccum_jax._model_state import batchnorm_leaves
+from gradaccum_jax._options import LossSpec, make_options, split_output
+from gradaccum_jax._train_step import JitStep, fused_step
+
+
+def _import_nnx():
+  try:
+    from flax import nnx
+  except ImportError as e:
+    raise ImportError(
+      'ga.nnx_train_step needs flax: pip install "gradaccum_jax[flax]" (or pip install flax).'
+    ) from e
+  return nnx
 
 
 def _batchnorm_momentum(model: Any, nnx: Any) -> float:
@@ -43,6 +55,11 @@ def nnx_train_step(
   has_aux: bool = False,
   weight_fn: Callable[[Any], Any] | None = None,
   batchnorm: str = "sequential",
+  compute_dtype: Any = None,
+  mesh: Any = None,
+  data_axis: str | tuple[str, ...] | None = None,
+  param_specs: Any = None,
+  donate: bool = False,
 ) -> Callable[..., dict[str, Any]]:
   r"""A jitted accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -76,7 +93,10 @@ def nnx_train_step(
   ``opt_state.count`` and the inner optimizer's schedules still count windows.
   Read ``optimizer.opt_state.count`` for the number of optimizer steps when you
   mix the two. A window voided for a non-finite gradient (see
-  :func:`accumulate`) still advances both counters and the model state.
+  :func:`accumulate`) advances both counters and leaves the trained variables,
+  the optimizer state and the model's other state as they were, except the
+  ``nnx.Rngs`` counters (integer leaves of ``nnx.RngCount``), which advance
+  as in an applied window so the next window draws new randomness.
 
   Args:
     loss_fn: ``loss_fn(model, microbatch)`` returning the scalar mean loss over
@@ -94,9 +114,15 @@ def nnx_train_step(
       ``nnx.BatchNorm`` layers, which must all have the same) or ``"frozen"``
       (left unchanged). The normalization itself uses each micro-batch's own
       statistics in every mode (see :func:`value_and_grad`).
+    compute_dtype, mesh, data_axis, param_specs: as in :func:`train_step`:
+      mixed precision, and data-parallel training over a mesh.
+    donate: donate the model's and optimizer's arrays to the step (updated in
+      place by XLA).
 
   Returns:
-    ``step(model, optimizer, batch) -> metrics``, jitted with ``nnx.jit``;
+    ``step(model, optimizer, batch, *, num_real_microbatches=None) ->
+    metrics`` (``num_real_microbatches``: as in :func:`train_step`), jitted
+    with ``nnx.jit``;
     ``metrics`` holds ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"``
     and, with ``has_aux``, ``"aux"``, as in :func:`train_step`.
 
@@ -124,20 +150,29 @@ def nnx_train_step(
     >>> int(optimizer.step[...]), int(optimizer.opt_state.count[...])
     (1, 1)
   """
-  from flax import nnx  # flax is an optional dependency: import it when used
-
-  check_batchnorm_mode(batchnorm)
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be a function loss_fn(model, microbatch), got {loss_fn!r}.")
+  nnx = _import_nnx()
+  options = make_options(
+    "nnx_train_step",
+    loss_fn,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    has_state=True,
+    batchnorm=batchnorm,
+    compute_dtype=compute_dtype,
+    mesh=mesh,
+    data_axis=data_axis,
+    param_specs=param_specs,
+    momentum_from_model=True,
+  )
   has_aux = bool(has_aux)
 
-  def step(model, optimizer, batch):
+  def step(model, optimizer, batch, *, num_real_microbatches=None):
     if not isinstance(optimizer, nnx.Optimizer):
       raise TypeError(
         f"optimizer must be an nnx.Optimizer(model, ga.accumulate(inner, k), wrt=nnx.Param),"
         f" got {type(optimizer).__name__}."
       )
-    get_accumulator(optimizer.tx)  # a TypeError that says to wrap the optimizer
+    tx = as_accumulate(optimizer.tx, "optimizer.tx")
     wrt, graph = optimizer.wrt, optimizer.graph
     momentum = _batchnorm_momentum(model, nnx) if batchnorm == "per_window" else None
     graphdef, params, rest = nnx.split(model, wrt, ..., graph=graph)
@@ -151,40 +186,25 @@ def nnx_train_step(
 
     def pure_loss(params, rest, microbatch):
       m = nnx.merge(graphdef, params, rest)
-      out = loss_fn(m, microbatch)
-      if has_aux:
-        if not (isinstance(out, tuple | list) and len(out) == 2):
-          raise TypeError(
-            f"With has_aux=True, loss_fn(model, microbatch) must return (loss, aux), got"
-            f" {type(out).__name__}."
-          )
-      elif isinstance(out, tuple | list):
-        raise TypeError(
-          f"loss_fn(model, microbatch) returned a {type(out).__name__} of length {len(out)};"
-          " if it returns (loss, aux), pass has_aux=True."
-        )
+      loss, aux = split_output(loss_fn(m, microbatch), has_aux, "loss_fn(model, microbatch)")
       _, _, new_rest = nnx.split(m, wrt, ..., graph=graph)
-      new_rest = nnx.as_pure(new_rest)
-      if has_aux:
-        loss, aux = out
-        return loss, (aux, new_rest)
-      return out, new_rest
+      return loss, (aux, nnx.as_pure(new_rest))
 
-    fused = train_step(
-      pure_loss,
-      optimizer.tx,
-      has_aux=has_aux,
-      weight_fn=weight_fn,
-      jit=False,
-      has_state=True,
-      batchnorm=batchnorm,
-      batchnorm_momentum=momentum,
+    opts = dataclasses.replace(
+      options, loss=LossSpec(pure_loss, True, True), batchnorm_momentum=momentum
     )
     opt_state = nnx.as_pure(optimizer.opt_state)
-    new_params, new_rest, new_opt_state, metrics = fused(params, rest, opt_state, batch)
+    new_params, new_rest, new_opt_state, metrics = fused_step(opts, tx)(
+      params, rest, opt_state, batch, None, num_real_microbatches
+    )
+    if not has_aux:
+      metrics.pop("aux")
     nnx.update(model, new_params, new_rest)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=graph))
     optimizer.step[...] += 1
     return metrics
 
-  return nnx.jit(step)
+  jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
+  return JitStep(
+    jitted, lambda args: as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step")
+  )

@@ -7,7 +7,8 @@ from typing import Any
 
 import optax
 
-from gradaccum_jax._accumulate import AccumulateState, accumulate, check_num_microbatches
+from gradaccum_jax._accumulate import AccumulateState, accumulate
+from gradaccum_jax._checks import check_num_microbatches
 from gradaccum_jax._train_step import train_step
 
 
@@ -67,7 +68,7 @@ def ramp_train_step(
 
   def step(num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
     k = check_num_microbatches(num_microbatches, allow_schedule=False)
-    if k not in steps:
+    if k not in steps:  # train_step takes this k as it is: no second check
       steps[k] = train_step(loss_fn, accumulate(inner, k, **acc_kwargs), **train_step_kwargs)
     return steps[k](*args, **kwargs)
 

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax._checks import check_batch, is_inexact
+from gradaccum_jax._parts import Sums, Weighting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +177,6 @@ def _leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
 
 
 def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
-  from gradaccum_jax._microbatch import check_batch  # a cycle at import time otherwise
-
   batch_size = check_batch(batch, 1)
   if batch_size % (dp.size * k):
     raise ValueError(
@@ -185,39 +187,40 @@ def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
     )
 
 
-def sharded_sums(
-  mg: Any,
+def over_mesh(
+  dp: DataParallel,
+  local_sums: Callable[..., Any],
+  weighting: Weighting,
+  k: int,
   params: Any,
   batch: Any,
   rng: jax.Array | None,
   acc_init: Any,
-  model_state: Any = None,
-  scale: jax.Array | None = None,
+  model_state: Any,
+  scale: jax.Array | None,
+  num_real: jax.Array | None,
 ) -> Any:
-  """``MicrobatchedGrad.sums`` over a mesh: a local scan per device, one reduction after it.
+  """Runs ``local_sums`` on every device's rows under ``shard_map``, then reduces once.
 
-  Returns the ``Sums`` of the whole global batch: gradients replicated (or in
-  the params' sharding), added to ``acc_init``; weight, loss, aux and the
-  noise-scale sums (the per-device micro-batches are its samples) summed over
-  devices; float model-state leaves averaged and integer ones maxed over
-  the devices where they differ.
+  ``local_sums(params, batch, rng, acc0, model_state, scale, num_real, vary_axes)`` is the
+  single-device scan (it returns a ``Window``); it runs with the params gathered once and
+  cast to device-varying, so its loop body has no collective. After it: one ``psum`` of
+  everything additive (the gradients of replicated params, :class:`Sums` and
+  :class:`NoiseSums`), one ``psum_scatter`` per sharded param, float model-state leaves
+  averaged and integer ones maxed where they differ between devices. Returns the
+  ``Window`` of the whole global batch, its gradients added to ``acc_init``.
   """
-  from gradaccum_jax._microbatch import Sums  # a cycle at import time otherwise
-
-  dp: DataParallel = mg.data_parallel
-  k = mg.num_microbatches
   _check_global_batch(batch, dp, k)
   axes, mesh = dp.axes, dp.mesh
-  local = dataclasses.replace(mg, data_parallel=None, vary_axes=axes)
   plans = _leaf_plans(dp, params)
   treedef = jax.tree.structure(params)
   param_specs = treedef.unflatten([p.spec for p in plans])
   acc_like = [
     jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(acc_init)
   ]
-  likes = {}
+  static = {}
 
-  def per_device(params, batch, rng, model_state, scale):
+  def per_device(params, batch, rng, model_state, scale, num_real):
     leaves = [
       x if p.dim is None else jax.lax.all_gather(x, p.names, axis=p.dim, tiled=True)
       for x, p in zip(jax.tree.leaves(params), plans, strict=True)
@@ -226,16 +229,12 @@ def sharded_sums(
     if rng is not None:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
     acc0 = treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in acc_like])
-    s = local.sums(full, batch, rng, acc0, model_state, scale)
-    likes["loss"], likes["aux"] = s.loss_like, s.aux_like
-    grads = jax.tree.leaves(s.grads)
-    weighted = mg.weight_fn is not None
-    # One psum for everything replicated: XLA emits one (tuple) all-reduce.
+    w = local_sums(full, batch, rng, acc0, model_state, scale, num_real, axes)
+    static["window"] = w
+    grads = jax.tree.leaves(w.sums.grads)
+    # One psum for everything additive and replicated: XLA emits one (tuple) all-reduce.
     replicated = [g for g, p in zip(grads, plans, strict=True) if p.dim is None]
-    summed = jax.lax.psum(
-      (replicated, s.loss, s.weight if weighted else None, s.aux, s.noise), axes
-    )
-    replicated, loss, weight, aux, noise = summed
+    replicated, sums, noise = jax.lax.psum((replicated, w.sums._replace(grads=()), w.noise), axes)
     it = iter(replicated)
     out = []
     for g, p in zip(grads, plans, strict=True):
@@ -244,21 +243,13 @@ def sharded_sums(
         continue
       g = jax.lax.psum_scatter(g, p.names, scatter_dimension=p.dim, tiled=True)
       out.append(jax.lax.psum(g, p.rest) if p.rest else g)
-    grads = treedef.unflatten(out)
-    if not weighted:
-      # Unweighted, a device's micro-batch weighs 1 / D, so that global micro-batch i (the D
-      # device micro-batches i) weighs 1 as in the single-device step: total weight k.
-      grads, loss, aux = jax.tree.map(
-        lambda x: x / dp.size if _is_float(x) else x, (grads, loss, aux)
-      )
-      weight = jnp.asarray(k, jnp.float32)
-      if noise is not None:  # sum_(i,d) w |g_(i,d)|^2 with w = 1 / D; k D samples; B examples
-        noise = (noise[0] / dp.size, *noise[1:])
-    return grads, weight, loss, aux, _reduce_state(s.model_state, axes), noise
+    sums, noise = weighting.per_device(
+      sums._replace(grads=treedef.unflatten(out)), noise, dp.size, w.num
+    )
+    return sums, noise, _reduce_state(w.model_state, axes)
 
   batch_spec = dp.batch_spec
-  in_specs = (param_specs, batch_spec, P(), P(), P())
-  args = (params, batch, rng, model_state, scale)
+  args = (params, batch, rng, model_state, scale, num_real)
   if any(t == AxisType.Explicit for t in mesh.axis_types):
     # On an explicit mesh shard_map wants its inputs already laid out as in_specs.
     args = (
@@ -269,16 +260,17 @@ def sharded_sums(
   reduce = jax.shard_map(
     per_device,
     mesh=mesh,
-    in_specs=in_specs,
-    out_specs=(param_specs, P(), P(), P(), P(), P()),
+    in_specs=(param_specs, batch_spec, P(), P(), P(), P()),
+    out_specs=(Sums(param_specs, P(), P(), P()), P(), P()),
   )
-  grads, weight, loss, aux, new_state, noise = reduce(*args)
-  grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_init, grads)
-  return Sums(grads, weight, loss, aux, new_state, likes["loss"], likes["aux"], noise)
-
-
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  sums, noise, new_state = reduce(*args)
+  grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_init, sums.grads)
+  return static["window"]._replace(
+    sums=sums._replace(grads=grads),
+    noise=noise,
+    model_state=new_state,
+    num=k if num_real is None else num_real,
+  )
 
 
 def _reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
@@ -288,7 +280,7 @@ def _reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
     vary = tuple(a for a in axes if a in varying_axes(x))
     if not vary:
       return x
-    if _is_float(x):
+    if is_inexact(x):
       return jax.lax.pmean(x, vary)
     if jnp.result_type(x) == jnp.bool_:
       return jax.lax.pmax(x.astype(jnp.int32), vary).astype(jnp.bool_)

@@ -6,18 +6,23 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._accumulate import (
+  MEAN_GRADIENT,
+  Accumulate,
   AccumulateState,
-  check_num_microbatches,
-  check_same_structure,
-  get_accumulator,
+  add_noise_window,
+  as_accumulate,
   noise_estimates,
   noise_scale,
 )
+from gradaccum_jax._checks import check_real_microbatches, check_same_structure, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
-from gradaccum_jax._sharding import make_data_parallel, place_params
+from gradaccum_jax._options import Options, make_options
+from gradaccum_jax._parts import NoiseSums
+from gradaccum_jax._sharding import place_params
 
 
 def train_step(
@@ -66,7 +71,9 @@ def train_step(
     has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
       ``(loss, new_model_state)`` (or ``(loss, (aux, new_model_state))``); the
       step is then ``step(params, model_state, state, batch, rng=None) ->
-      (params, model_state, state, metrics)``.
+      (params, model_state, state, metrics)``. A voided window (see
+      :func:`accumulate`) returns the float leaves of the model state as they
+      were (running statistics); integer leaves (counters) advance.
     batchnorm, batchnorm_momentum, compute_dtype: as in
       :func:`value_and_grad`.
     mesh: a ``jax.sharding.Mesh`` to train data-parallel over (see below).
@@ -131,8 +138,21 @@ def train_step(
   sharding (its ``zeros_like`` keeps it), or ``jax.device_put`` it; the new
   params and accumulator are constrained to ``param_specs``.
 
+  Short windows: ``step(..., num_real_microbatches=m)`` (an int or an int32
+  scalar, ``1 <= m <= k``; changing it does not recompile) computes and counts
+  only micro-batches ``0..m-1`` and closes the window: the result equals the
+  step of ``ga.accumulate(inner, m)`` on those rows. The others are not
+  computed (the loop runs ``m`` times). Micro-batch ``i`` holds rows ``i, i +
+  k, ...``, so to lay out ``n = m * b`` real rows (``b = B / k``) put real row
+  ``j`` of micro-batch ``i`` at index ``i + j * k``, e.g. ``x.reshape(m, b,
+  ...)`` padded to ``(k, b, ...)``, then ``.swapaxes(0, 1).reshape(B, ...)``.
+  Inner optimizers that take ``value=`` or ``grad=`` (e.g.
+  ``optax.contrib.reduce_on_plateau``) get the window's mean loss and mean
+  gradient.
+
   Returns:
-    ``step(params, state, batch, rng=None) -> (params, state, metrics)``, where
+    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) ->
+    (params, state, metrics)``, where
     ``metrics`` holds ``"loss"`` (weighted mean over the batch), ``"grad_norm"``
     (global norm of the accumulated mean gradient, before ``inner``),
     ``"weight"`` (total weight of the batch), ``"updated"`` (whether the params
@@ -169,76 +189,122 @@ def train_step(
     >>> float(metrics["loss"]), int(state.count)
     (1.0, 1)
   """
-  acc = get_accumulator(tx)
-  k = check_num_microbatches(acc.num_microbatches, allow_schedule=False)
-  dp = make_data_parallel(mesh, data_axis, param_specs, "train_step")
-  mg = MicrobatchedGrad(
+  acc = as_accumulate(tx)
+  k = acc.fixed_num_microbatches("train_step")
+  opts = make_options(
+    "train_step",
     loss_fn,
-    k,
-    bool(has_aux),
-    weight_fn,
-    has_state=bool(has_state),
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    has_state=has_state,
     batchnorm=batchnorm,
     batchnorm_momentum=batchnorm_momentum,
     compute_dtype=compute_dtype,
-    data_parallel=dp,
-    noise_scale=acc.noise_scale_ema is not None,
+    mesh=mesh,
+    data_axis=data_axis,
+    param_specs=param_specs,
   )
+  fused = fused_step(opts, acc)
+  return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=jit, k=lambda args: k)
 
-  def fused(params, model_state, state, batch, rng):
-    if not isinstance(state, AccumulateState):
-      raise TypeError(
-        f"state must be tx.init(params) for the tx given to train_step (an"
-        f" AccumulateState), got {type(state).__name__}."
-      )
-    check_same_structure(params, state.acc_grads, "params")
-    scale = None if state.loss_scale is None else state.loss_scale.scale
-    sums = mg.sums(params, batch, rng, state.acc_grads, model_state, scale)
-    weight = state.acc_weight + sums.weight
-    noise = state.noise_scale
-    if noise is not None:  # add this batch's sums to the open window's
-      sq_sum, num, examples = sums.noise
-      noise = noise._replace(
-        sq_sum=noise.sq_sum + sq_sum, num=noise.num + num, examples=noise.examples + examples
-      )
-      state = state._replace(noise_scale=noise)
-    updates, new_state = acc.close(sums.grads, weight, state, params, params, {})
-    new_params = place_params(dp, optax.apply_updates(params, updates))
-    if dp is not None:
-      new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
-    loss, aux = mg.means(sums)
-    metrics = {
-      "loss": loss,
-      "grad_norm": safe_mean(
-        optax.tree.norm(sums.grads), weight * (1.0 if scale is None else scale)
-      ),
-      "weight": sums.weight,
-      "updated": new_state.updated,
-    }
-    if has_aux:
-      metrics["aux"] = aux
-    if state.loss_scale is not None:
-      metrics["loss_scale"] = scale
-    if noise is not None:
-      g2, trace = noise_estimates(sums.grads, weight, noise, scale)
-      metrics["noise_scale"] = noise_scale(new_state)
-      metrics["grad_sq_norm_est"], metrics["trace_sigma_est"] = g2, trace
-    return new_params, sums.model_state, new_state, metrics
 
+def wrap_step(
+  fused: Callable[..., Any], *, has_state: bool, donate: bool, jit: bool, k: Callable[..., int]
+):
+  """The public signature around ``fused``: with or without model state, jitted or not."""
   if has_state:
 
-    def step_with_state(params, model_state, state, batch, rng=None):
-      return fused(params, model_state, state, batch, rng)
+    def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
+      return fused(params, model_state, state, batch, rng, num_real_microbatches)
 
-    step = step_with_state
-    donate_argnums = (0, 1, 2)
+    step, donate_argnums = step_with_state, (0, 1, 2)
   else:
 
-    def step(params, state, batch, rng=None):
-      new_params, _, new_state, metrics = fused(params, None, state, batch, rng)
+    def step(params, state, batch, rng=None, *, num_real_microbatches=None):
+      new_params, _, new_state, metrics = fused(
+        params, None, state, batch, rng, num_real_microbatches
+      )
       return new_params, new_state, metrics
 
     donate_argnums = (0, 1)
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=donate_argnums if donate else ())
+  return JitStep(jax.jit(step, donate_argnums=donate_argnums if donate else ()), k)
+
+
+class JitStep:
+  """A jitted step that checks ``num_real_microbatches`` before the call and passes it as an
+  int32 array, so Python ints and arrays of every value share one compiled program.
+
+  Everything else (``lower``, ``trace``, ...) is the jitted function's.
+  """
+
+  def __init__(self, jitted: Callable[..., Any], k: Callable[[tuple[Any, ...]], int]):
+    self._jitted, self._k = jitted, k
+
+  def __call__(self, *args: Any, num_real_microbatches: Any = None, **kwargs: Any) -> Any:
+    if num_real_microbatches is not None:
+      num_real_microbatches = check_real_microbatches(num_real_microbatches, self._k(args))
+    return self._jitted(*args, num_real_microbatches=num_real_microbatches, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._jitted, name)
+
+
+def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
+  """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
+  metrics)``: one window, scanned and closed; the core every fused front end calls."""
+  acc = tx.settings
+  k = tx.fixed_num_microbatches("train_step")
+  mg = MicrobatchedGrad(opts, k, noise_scale=acc.noise_scale_ema is not None)
+  dp = opts.parallel
+
+  def fused(params, model_state, state, batch, rng, num_real):
+    state = acc.check_state(state)
+    check_same_structure(params, state.acc_grads, "params")
+    num_real = check_real_microbatches(num_real, k)
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+    window = mg.sums(params, batch, rng, state.acc_grads, model_state, scale, num_real)
+    sums = window.sums
+    weight = state.acc_weight + sums.weight
+    if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
+      state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))
+    loss, aux = window.means()
+    extra = {"value": loss, "grad": MEAN_GRADIENT}
+    updates, new_state = acc.close(sums.grads, weight, state, params, params, extra)
+    new_params = place_params(dp, optax.apply_updates(params, updates))
+    if dp is not None:
+      new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
+    new_model_state = None
+    if opts.has_state:  # a voided window restores float state (statistics); counters advance
+      new_model_state = jax.tree.map(
+        lambda new, old: jnp.where(new_state.updated, new, old) if is_inexact(new) else new,
+        window.model_state,
+        model_state,
+      )
+    metrics = window_metrics(window, weight, state, new_state, loss, aux, opts.loss.has_aux)
+    return new_params, new_model_state, new_state, metrics
+
+  return fused
+
+
+def window_metrics(window, weight, state, new_state, loss, aux, has_aux) -> dict[str, Any]:
+  """The metrics of a closed window (see :func:`train_step`)."""
+  scale = None if state.loss_scale is None else state.loss_scale.scale
+  metrics = {
+    "loss": loss,
+    "grad_norm": safe_mean(
+      optax.tree.norm(window.sums.grads), weight * (1.0 if scale is None else scale)
+    ),
+    "weight": window.sums.weight,
+    "updated": new_state.updated,
+  }
+  if has_aux:
+    metrics["aux"] = aux
+  if scale is not None:
+    metrics["loss_scale"] = scale
+  if isinstance(window.noise, NoiseSums):
+    g2, trace = noise_estimates(window.sums.grads, weight, state.noise_scale, scale)
+    metrics["noise_scale"] = noise_scale(new_state)
+    metrics["grad_sq_norm_est"], metrics["trace_sigma_est"] = g2, trace
+  return metrics

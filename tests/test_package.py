@@ -13,6 +13,7 @@ from gradaccum_jax.__main__ import main
 def test_public_names_are_reexported():
   assert sorted(ga.__all__) == sorted(
     [
+      "Accumulate",
       "AccumulateState",
       "DynamicLossScale",
       "EquivalenceReport",
@@ -21,6 +22,7 @@ def test_public_names_are_reexported():
       "accumulate",
       "auto_microbatch",
       "check_equivalence",
+      "flush",
       "has_updated",
       "linen_train_step",
       "microbatch",

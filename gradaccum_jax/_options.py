@@ -1,0 +1,127 @@
+"""The options of the micro-batched gradient, validated once and shared by every front end."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._model_state import check_batchnorm, check_state_like
+from gradaccum_jax._parts import Weighting
+from gradaccum_jax._sharding import DataParallel, make_data_parallel
+
+
+def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, Any]:
+  """``(loss, aux)`` from what a loss function returned; aux is None without ``has_aux``."""
+  if has_aux:
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+      raise TypeError(f"With has_aux=True, {what} must return a pair (loss, aux), got {out!r:.80}.")
+    return out[0], out[1]
+  if isinstance(out, tuple | list):
+    raise TypeError(
+      f"{what} returned a {type(out).__name__} of length {len(out)}; if it returns"
+      " (loss, aux), pass has_aux=True (and has_state=True for (loss, new_model_state))."
+    )
+  return out, None
+
+
+def check_loss(loss: Any, has_aux: bool) -> jax.Array:
+  """The loss as a scalar array (Python numbers accepted, as ``jax.value_and_grad`` does)."""
+  if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
+    raise TypeError(f"loss_fn must return a scalar array, got {type(loss).__name__}.")
+  if jnp.shape(loss) != ():
+    hint = "" if has_aux else " If it returns (loss, aux), pass has_aux=True."
+    raise ValueError(
+      "loss_fn must return a scalar: the mean loss over its micro-batch; got"
+      f" shape {jnp.shape(loss)}.{hint}"
+    )
+  loss = jnp.asarray(loss)
+  if not jnp.issubdtype(loss.dtype, jnp.floating):
+    raise TypeError(f"loss_fn must return a real float loss, got dtype {loss.dtype}.")
+  return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """How ``loss_fn`` is called and what it returns."""
+
+  fn: Callable[..., Any]
+  has_aux: bool
+  has_state: bool
+
+  def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> tuple[Any, Any, Any]:
+    """``(loss, aux, new_model_state)`` of one micro-batch."""
+    args = (params, model_state, mb) if self.has_state else (params, mb)
+    out = self.fn(*args) if key is None else self.fn(*args, key)
+    if not self.has_state:
+      loss, aux = split_output(out, self.has_aux)
+      return check_loss(loss, self.has_aux), aux, None
+    shape = "(loss, (aux, new_model_state))" if self.has_aux else "(loss, new_model_state)"
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+      raise TypeError(f"With has_state=True, loss_fn must return a pair {shape}, got {out!r:.80}.")
+    loss, rest = out
+    aux, new_state = split_output(rest, True, "loss_fn") if self.has_aux else (None, rest)
+    check_state_like(new_state, model_state)
+    return check_loss(loss, self.has_aux), aux, new_state
+
+  def pack(self, loss: Any, aux: Any, model_state: Any) -> Any:
+    """The value part in the shape ``loss_fn`` returns it."""
+    if self.has_state:
+      return (loss, (aux, model_state)) if self.has_aux else (loss, model_state)
+    return (loss, aux) if self.has_aux else loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything about how a loss is turned into a window's sums, checked once."""
+
+  loss: LossSpec
+  weighting: Weighting
+  batchnorm: str = "sequential"
+  batchnorm_momentum: float | None = None
+  compute_dtype: Any = None
+  parallel: DataParallel | None = None
+
+  @property
+  def has_state(self) -> bool:
+    return self.loss.has_state
+
+
+def make_options(
+  where: str,
+  loss_fn: Callable[..., Any],
+  *,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  has_state: bool = False,
+  batchnorm: str = "sequential",
+  batchnorm_momentum: float | None = None,
+  compute_dtype: Any = None,
+  mesh: Any = None,
+  data_axis: Any = None,
+  param_specs: Any = None,
+  momentum_from_model: bool = False,
+) -> Options:
+  """Validates the options of ``where`` (a public function's name) and builds them."""
+  if not callable(loss_fn):
+    raise TypeError(f"{where}: loss_fn must be a function, got {loss_fn!r:.80}.")
+  if weight_fn is not None and not callable(weight_fn):
+    raise TypeError(
+      f"{where}: weight_fn must be a function microbatch -> scalar weight, got {weight_fn!r:.80}."
+    )
+  check_batchnorm(batchnorm, batchnorm_momentum, bool(has_state), from_model=momentum_from_model)
+  if compute_dtype is not None:
+    compute_dtype = jnp.dtype(compute_dtype)
+    if not jnp.issubdtype(compute_dtype, jnp.floating):
+      raise ValueError(f"{where}: compute_dtype={compute_dtype} must be a float dtype.")
+  return Options(
+    loss=LossSpec(loss_fn, bool(has_aux), bool(has_state)),
+    weighting=Weighting(weight_fn),
+    batchnorm=batchnorm,
+    batchnorm_momentum=None if batchnorm_momentum is None else float(batchnorm_momentum),
+    compute_dtype=compute_dtype,
+    parallel=make_data_parallel(mesh, data_axis, param_specs, where),
+  )

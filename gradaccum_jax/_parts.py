@@ -1,0 +1,214 @@
+"""The parts of a window's sums: one small unit per feature, composed by the micro-batch scan.
+
+Like the accumulators of ``optax.microbatching``, each unit has an ``init`` (its part of the
+scan carry), an ``update`` (add one micro-batch), and a way to be reduced over devices; the
+scan (``_microbatch.py``) only strings them together, so a feature is one unit here and one
+switch where the core is built. A feature that is off is the :class:`Off` unit, whose carry is
+an empty tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._checks import check_weight, is_inexact
+from gradaccum_jax._model_state import ModelStatePlan
+
+
+class Micro(NamedTuple):
+  """What one micro-batch gives the units."""
+
+  loss: jax.Array  # its mean loss, as loss_fn returned it
+  aux: Any
+  grads: Any  # the gradient of loss * scale
+  weight: jax.Array  # float32 scalar (1 unweighted)
+  model_state: Any  # the model state after it (None without has_state)
+
+
+class Sums(NamedTuple):
+  """The weighted sums every window keeps; additive, so devices reduce them with one psum."""
+
+  grads: Any  # sum_i w_i g_i (times the loss scale), in the accumulator's dtypes
+  weight: jax.Array  # sum_i w_i over the micro-batches of positive weight (float32)
+  loss: jax.Array  # sum_i w_i L_i, in the loss's precision (at least float32)
+  aux: Any  # inexact leaves: sum_i w_i aux_i; integer and bool leaves: sum_i aux_i
+
+
+class NoiseSums(NamedTuple):
+  """Sums for the gradient noise scale; additive like :class:`Sums`."""
+
+  sq_sum: jax.Array  # sum_i w_i |g_i|^2
+  num: jax.Array  # micro-batches of positive weight
+  examples: jax.Array  # examples (or tokens) they hold
+
+
+def sum_dtype(like: Any) -> Any:
+  """The dtype a sum of ``like`` values is kept in: float32 or wider, int32 or wider."""
+  dtype = jnp.result_type(like)
+  if is_inexact(like):
+    return jnp.promote_types(dtype, jnp.float32)
+  return jnp.promote_types(dtype, jnp.int32)
+
+
+def sq_norm(tree: Any) -> jax.Array:
+  """The squared global norm of ``tree``, in float32 (``|z|^2`` for complex leaves)."""
+  total = jnp.float32(0)
+  for x in jax.tree.leaves(tree):
+    x = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+    total = total + jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32)
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighting:
+  """How micro-batches are weighed: equally (``fn=None``), or by ``fn(microbatch)``.
+
+  The only place that knows whether there are weights: unweighted, nothing is multiplied or
+  selected and the total is the number of micro-batches.
+  """
+
+  fn: Callable[[Any], Any] | None
+
+  @property
+  def weighted(self) -> bool:
+    return self.fn is not None
+
+  def of(self, microbatch: Any) -> jax.Array:
+    if self.fn is None:
+      return jnp.ones((), jnp.float32)
+    return check_weight(self.fn(microbatch), "the value of weight_fn(microbatch)")
+
+  def add(self, acc: Any, tree: Any, w: jax.Array) -> Any:
+    """``acc + w * tree`` leafwise in ``acc``'s dtypes; a weight <= 0 (or NaN) adds exactly 0.
+
+    The guard is a select, so a micro-batch of weight 0 whose values are NaN (a 0/0 mean loss)
+    contributes nothing.
+    """
+    if not self.weighted:
+      return jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), acc, tree)
+    return jax.tree.map(
+      lambda a, x: a + jnp.where(w > 0, jnp.asarray(x).astype(a.dtype) * w.astype(a.dtype), 0),
+      acc,
+      tree,
+    )
+
+  def count(self, acc: Any, tree: Any, w: jax.Array) -> Any:
+    """``acc + tree`` leafwise for the micro-batches of positive weight (integer aux)."""
+    if not self.weighted:
+      return jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), acc, tree)
+    return jax.tree.map(
+      lambda a, x: a + jnp.where(w > 0, jnp.asarray(x), 0).astype(a.dtype), acc, tree
+    )
+
+  def total(self, w: jax.Array) -> jax.Array:
+    """What a micro-batch adds to the total weight: ``w``, 0 for ``w <= 0``; NaN stays NaN.
+
+    A NaN or infinite weight makes the window's total non-finite, which voids the window.
+    """
+    return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
+
+  def per_device(self, sums: Sums, noise: Any, devices: int, num: int) -> tuple[Sums, Any]:
+    """After the sum over devices: unweighted, a device's micro-batch weighs ``1 / devices``.
+
+    So global micro-batch ``i`` (the ``devices`` per-device micro-batches ``i``) weighs 1, as
+    on one device, and the total weight is ``num``.
+    """
+    if self.weighted:
+      return sums, noise
+    scale = lambda tree: jax.tree.map(lambda x: x / devices if is_inexact(x) else x, tree)  # noqa: E731
+    sums = Sums(scale(sums.grads), jnp.asarray(num, jnp.float32), scale(sums.loss), scale(sums.aux))
+    if isinstance(noise, NoiseSums):
+      noise = noise._replace(sq_sum=noise.sq_sum / devices)
+    return sums, noise
+
+
+@dataclasses.dataclass(frozen=True)
+class SumsUnit:
+  """Gradient, weight, loss and aux sums (always on)."""
+
+  weighting: Weighting
+
+  def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
+    zeros = lambda s: jnp.zeros(jnp.shape(s), sum_dtype(s))  # noqa: E731
+    return Sums(
+      acc_init, jnp.zeros((), jnp.float32), zeros(loss_like), jax.tree.map(zeros, aux_like)
+    )
+
+  def update(self, s: Sums, m: Micro) -> Sums:
+    w, wt = m.weight, self.weighting
+    aux = jax.tree.map(
+      lambda a, x: wt.add(a, x, w) if is_inexact(a) else wt.count(a, x, w), s.aux, m.aux
+    )
+    return Sums(wt.add(s.grads, m.grads, w), s.weight + wt.total(w), wt.add(s.loss, m.loss, w), aux)
+
+
+class Off:
+  """A feature that is off: its carry is ``()`` and nothing is computed."""
+
+  def init(self, *args: Any) -> tuple[()]:
+    return ()
+
+  def update(self, carry: tuple[()], m: Micro) -> tuple[()]:
+    return ()
+
+  def start(self, carry: tuple[()]) -> None:
+    return None
+
+  def finish(self, carry: tuple[()], num: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseUnit:
+  """Sums of squared micro-batch gradient norms, for the gradient noise scale."""
+
+  weighting: Weighting
+
+  def init(self, *args: Any) -> NoiseSums:
+    return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
+
+  def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
+    sq, w = sq_norm(m.grads), m.weight
+    if not self.weighting.weighted:
+      return NoiseSums(n.sq_sum + sq, n.num + 1.0, n.examples)  # examples: set by the caller
+    pos = w > 0
+    return NoiseSums(
+      n.sq_sum + jnp.where(pos, w * sq, 0.0),
+      n.num + pos.astype(jnp.float32),
+      n.examples + jnp.where(pos, w, 0.0),
+    )
+
+
+class ModelCarry(NamedTuple):
+  state: Any  # the model state after the last micro-batch
+  stats: Any  # per_window: the running sums of the BatchNorm statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStateUnit:
+  """The model state through the micro-batches, as the BatchNorm mode says."""
+
+  plan: ModelStatePlan
+  initial: Any
+
+  @classmethod
+  def make(cls, initial: Any, mode: str, momentum: float | None) -> ModelStateUnit:
+    return cls(ModelStatePlan.make(initial, mode, momentum), initial)
+
+  def init(self, *args: Any) -> ModelCarry:
+    return ModelCarry(self.initial, self.plan.stats0(self.initial))
+
+  def start(self, c: ModelCarry) -> Any:
+    """The state the next micro-batch starts from."""
+    return self.plan.for_microbatch(c.state, self.initial)
+
+  def update(self, c: ModelCarry, m: Micro) -> ModelCarry:
+    return ModelCarry(m.model_state, self.plan.add(c.stats, m.model_state, self.initial))
+
+  def finish(self, c: ModelCarry, num: Any) -> Any:
+    return self.plan.finish(c.state, c.stats, self.initial, num)

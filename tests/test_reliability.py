@@ -1,0 +1,308 @@
+"""Bad input, precision corners and voided windows: nothing corrupts state or passes silently."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, init_mlp, make_batch, xent_loss
+
+import gradaccum_jax as ga
+
+K = 4
+B = 16
+
+
+def bn_loss(params, state, mb):
+  """A linear layer, a BatchNorm-like standardization with running statistics, softmax."""
+  h = mb["x"] @ params["layer0"]["w"]
+  mu, var = h.mean(0), h.var(0)
+  new = {
+    "bn": {
+      "mean": 0.9 * state["bn"]["mean"] + 0.1 * mu,
+      "var": 0.9 * state["bn"]["var"] + 0.1 * var,
+    }
+  }
+  z = (h - mu) / jnp.sqrt(var + 1e-3) + params["layer0"]["b"]
+  logp = jax.nn.log_softmax(z)
+  return -jnp.mean(jnp.take_along_axis(logp, mb["y"][:, None], axis=1)), new
+
+
+@pytest.mark.parametrize("mode", ["sequential", "per_window", "frozen"])
+def test_a_voided_window_leaves_model_state_params_and_optimizer_state_as_they_were(mode):
+  params = init_mlp(jax.random.key(0), (6, 3))
+  mstate = {"bn": {"mean": jnp.full(3, 0.5), "var": jnp.full(3, 2.0)}}
+  tx = ga.accumulate(optax.adam(1e-2), K)
+  momentum = 0.9 if mode == "per_window" else None
+  step = ga.train_step(bn_loss, tx, has_state=True, batchnorm=mode, batchnorm_momentum=momentum)
+  batch = make_batch(jax.random.key(1), B)
+  batch["x"] = batch["x"].at[5, 0].set(jnp.nan)  # one bad row
+  state = tx.init(params)
+  new_params, new_mstate, new_state, metrics = step(params, mstate, state, batch)
+  assert not bool(metrics["updated"]) and int(new_state.num_skipped) == 1
+  assert_trees_close(new_mstate, mstate, rtol=0, atol=0)
+  assert_trees_close(new_params, params, rtol=0, atol=0)
+  assert_trees_close(new_state.inner_state, state.inner_state, rtol=0, atol=0)
+
+
+def test_a_voided_window_leaves_linen_batch_stats_as_they_were():
+  flax_nn = pytest.importorskip("flax.linen")
+  from flax.training import train_state
+
+  class Net(flax_nn.Module):
+    @flax_nn.compact
+    def __call__(self, x, train):
+      x = flax_nn.BatchNorm(use_running_average=not train, momentum=0.9)(flax_nn.Dense(4)(x))
+      return flax_nn.Dense(3)(x)
+
+  class TS(train_state.TrainState):
+    batch_stats: dict
+
+  net = Net()
+  v = net.init(jax.random.key(0), jnp.ones((1, 6)), train=False)
+  ts = TS.create(
+    apply_fn=net.apply, params=v["params"], batch_stats=v["batch_stats"],
+    tx=ga.accumulate(optax.adam(1e-2), K),
+  )  # fmt: skip
+  batch = make_batch(jax.random.key(1), B)
+  batch["x"] = batch["x"].at[0, 0].set(jnp.inf)
+
+  def loss_fn(logits, mb):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+  new, metrics = ga.linen_train_step(net, loss_fn, train_kwargs={"train": True})(ts, batch)
+  assert not bool(metrics["updated"])
+  assert_trees_close(new.batch_stats, ts.batch_stats, rtol=0, atol=0)
+  assert_trees_close(new.params, ts.params, rtol=0, atol=0)
+  assert np.all(np.isfinite(jax.tree.leaves(new.batch_stats)[0]))
+
+
+def complex_loss(params, mb):
+  z = mb["x"].astype(jnp.complex64) @ params["w"]
+  return jnp.mean(jnp.abs(z - mb["t"]) ** 2)
+
+
+def complex_setup():
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(3, 2)) + 1j * rng.normal(size=(3, 2)), jnp.complex64)}
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(B, 3)), jnp.float32),
+    "t": jnp.asarray(rng.normal(size=(B, 2)) + 1j * rng.normal(size=(B, 2)), jnp.complex64),
+  }
+  return params, batch
+
+
+def test_complex_params_keep_their_imaginary_part_in_every_mode():
+  params, batch = complex_setup()
+  ref_loss, ref_grads = jax.value_and_grad(complex_loss)(params, batch)
+  assert float(jnp.abs(ref_grads["w"].imag).max()) > 1e-3  # the check below can fail
+  loss, grads = ga.value_and_grad(complex_loss, K)(params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-6)
+  assert grads["w"].dtype == jnp.complex64
+
+  inner = optax.sgd(0.1)
+  tx = ga.accumulate(inner, K)
+  assert tx.init(params).acc_grads["w"].dtype == jnp.complex64
+  ref_updates, _ = inner.update(ref_grads, inner.init(params), params)
+  new_params, _, _ = ga.train_step(complex_loss, tx)(params, tx.init(params), batch)
+  np.testing.assert_allclose(
+    new_params["w"], optax.apply_updates(params, ref_updates)["w"], rtol=1e-5
+  )
+  state = tx.init(params)
+  for i in range(K):
+    g = jax.grad(complex_loss)(params, ga.microbatch(batch, i, K))
+    updates, state = tx.update(g, state, params)
+  np.testing.assert_allclose(updates["w"], ref_updates["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_an_empty_batch_is_refused_at_trace_time():
+  params = init_mlp(jax.random.key(0), (6, 3))
+  tx = ga.accumulate(optax.adamw(1e-2), K)
+  empty = {"x": jnp.zeros((0, 6)), "y": jnp.zeros((0,), jnp.int32)}
+  with pytest.raises(ValueError, match=r"The batch is empty \(batch size B=0\)"):
+    ga.train_step(xent_loss, tx)(params, tx.init(params), empty)
+  with pytest.raises(ValueError, match=r"B=0"):
+    ga.value_and_grad(xent_loss, K)(params, empty)
+
+
+def weighted_loss(params, mb):
+  return xent_loss(params, mb)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_weight_voids_the_window_in_every_mode(bad):
+  params = init_mlp(jax.random.key(0), (6, 3))
+  batch = make_batch(jax.random.key(1), B)
+  batch["w"] = jnp.ones(B).at[2].set(bad)
+  weight_fn = lambda mb: mb["w"].sum()  # noqa: E731
+  for skip in (True, False):
+    tx = ga.accumulate(optax.adam(1e-2), K, skip_nonfinite=skip)
+    new_params, state, metrics = ga.train_step(weighted_loss, tx, weight_fn=weight_fn)(
+      params, tx.init(params), batch
+    )
+    assert not bool(metrics["updated"]) and int(state.num_skipped) == 1
+    assert_trees_close(new_params, params, rtol=0, atol=0)
+    state = tx.init(params)
+    for i in range(K):
+      mb = ga.microbatch(batch, i, K)
+      updates, state = tx.update(
+        jax.grad(xent_loss)(params, mb), state, params, weight=weight_fn(mb)
+      )
+    assert not bool(state.updated) and int(state.num_skipped) == 1
+    assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))
+
+
+def test_negative_weights_raise_when_concrete_and_count_zero_when_traced():
+  params = init_mlp(jax.random.key(0), (6, 3))
+  tx = ga.accumulate(optax.sgd(1.0), 2)
+  g = jax.grad(xent_loss)(params, make_batch(jax.random.key(1), 4))
+  with pytest.raises(ValueError, match=r"weight is -1.0; weights must be >= 0"):
+    tx.update(g, tx.init(params), params, weight=-1.0)
+  # Traced (a weight_fn under jit): a negative weight counts as 0, documented.
+  batch = make_batch(jax.random.key(1), 8)
+  batch["w"] = jnp.array([1.0, -3.0] * 4)
+  loss, grads = ga.value_and_grad(xent_loss, 2, weight_fn=lambda mb: mb["w"][0])(params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(xent_loss)(params, ga.microbatch(batch, 0, 2))
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert_trees_close(grads, ref_grads, rtol=1e-5)
+
+
+def test_loss_and_aux_are_summed_in_float64_under_x64():
+  code = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, numpy as np
+import gradaccum_jax as ga
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.normal(size=(64, 5)) * 1e3)
+w = jnp.asarray(rng.normal(size=5))
+def loss_fn(w, x):
+  return jnp.mean((x @ w + 1e4) ** 2), jnp.mean(x)
+(loss, aux), g = ga.value_and_grad(loss_fn, 8, has_aux=True, accum_dtype=jnp.float64)(w, x)
+(rl, ra), rg = jax.value_and_grad(loss_fn, has_aux=True)(w, x)
+assert loss.dtype == jnp.float64 and g.dtype == jnp.float64
+assert abs(float(loss) / float(rl) - 1) < 1e-12, (float(loss), float(rl))
+assert abs(float(aux) - float(ra)) < 1e-9 * abs(float(ra)) + 1e-9
+np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=1e-11)
+print("ok")
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_integer_aux_does_not_wrap_and_complex_aux_keeps_its_value():
+  params = jnp.ones(2)
+
+  def loss_fn(p, mb):
+    return jnp.mean(mb @ p), {
+      "i8": jnp.int8(100),
+      "u8": jnp.uint8(200),
+      "c": jnp.complex64(1 + 2j) * jnp.mean(mb),
+      "lr": 0.1,  # a Python scalar, as jax.value_and_grad accepts
+    }
+
+  batch = jnp.arange(16.0).reshape(8, 2)
+  (loss, aux), _ = ga.value_and_grad(loss_fn, K, has_aux=True)(params, batch)
+  assert int(aux["i8"]) == 400 and int(aux["u8"]) == 800
+  np.testing.assert_allclose(aux["c"], (1 + 2j) * float(jnp.mean(batch)), rtol=1e-6)
+  np.testing.assert_allclose(aux["lr"], 0.1, rtol=1e-6)
+
+
+def test_a_python_float_loss_is_accepted():
+  params = jnp.ones(2)
+  loss, grads = ga.value_and_grad(lambda p, mb: 1.5, K)(params, jnp.ones((8, 1)))
+  assert float(loss) == 1.5 and float(jnp.abs(grads).max()) == 0
+
+
+@pytest.mark.parametrize(
+  "value, error, match",
+  [
+    (0, ValueError, r"schedule returned 0; it must return a positive int"),
+    (-2, ValueError, r"schedule returned -2"),
+    (2.7, TypeError, r"schedule returned 2.7.*positive int scalar"),
+    (float("nan"), TypeError, r"schedule returned nan"),
+  ],
+)
+def test_bad_schedule_values_are_refused(value, error, match):
+  params = jnp.zeros(2)
+  tx = ga.accumulate(optax.sgd(0.1), lambda count: value)
+  with pytest.raises(error, match=match):
+    tx.update(jnp.ones(2), tx.init(params), params)
+
+
+def test_a_float_schedule_is_refused_under_jit():
+  params = jnp.zeros(2)
+  tx = ga.accumulate(optax.sgd(0.1), lambda count: count * 0.5 + 1)
+  with pytest.raises(TypeError, match=r"positive int scalar"):
+    jax.jit(tx.update)(jnp.ones(2), tx.init(params), params)
+
+
+def test_reduce_on_plateau_gets_the_window_mean_loss_as_value():
+  params = init_mlp(jax.random.key(0), (6, 3))
+  batch = make_batch(jax.random.key(1), B)
+  inner = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+  tx = ga.accumulate(inner, K)
+  step = ga.train_step(xent_loss, tx)
+  p, s = params, tx.init(params)
+  rp, rs = params, inner.init(params)
+  for _ in range(3):
+    p, s, metrics = step(p, s, batch)
+    value, grads = jax.value_and_grad(xent_loss)(rp, batch)
+    updates, rs = inner.update(grads, rs, rp, value=value)
+    rp = optax.apply_updates(rp, updates)
+  assert_trees_close(p, rp, rtol=1e-5)
+  assert_trees_close(s.inner_state, rs, rtol=1e-5)
+
+
+def test_a_line_search_optimizer_gets_a_clear_error():
+  params = init_mlp(jax.random.key(0), (6, 3))
+  tx = ga.accumulate(optax.lbfgs(), K)
+  with pytest.raises(TypeError, match=r"needs value_fn=.*line search"):
+    ga.train_step(xent_loss, tx)(params, tx.init(params), make_batch(jax.random.key(1), B))
+
+
+def test_a_state_without_a_feature_the_transformation_has_is_named():
+  params = jnp.zeros(2)
+  old = ga.accumulate(optax.sgd(0.1), 2).init(params)
+  for kw, field in (
+    ({"loss_scale": ga.DynamicLossScale()}, "loss_scale"),
+    ({"noise_scale_ema": 0.9}, "noise_scale"),
+  ):
+    tx = ga.accumulate(optax.sgd(0.1), 2, **kw)
+    with pytest.raises(ValueError, match=rf"the state has no {field}.*state._replace\({field}="):
+      tx.update(jnp.ones(2), old, params)
+    with pytest.raises(ValueError, match=rf"the state has no {field}"):
+      ga.train_step(lambda p, mb: jnp.mean(mb @ p), tx)(params, old, jnp.ones((4, 2)))
+    upgraded = old._replace(**{field: getattr(tx.init(params), field)})
+    tx.update(jnp.ones(2), upgraded, params)
+
+
+def test_integer_params_are_named():
+  params = {"w": jnp.zeros(2), "step": jnp.zeros((), jnp.int32)}
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  loss_fn = lambda p, mb: jnp.mean(mb @ p["w"])  # noqa: E731
+  with pytest.raises(TypeError, match=r"params leaf \['step'\] has dtype int32"):
+    ga.train_step(loss_fn, tx)(params, tx.init(params), jnp.ones((4, 2)))
+  grads = jax.grad(loss_fn, allow_int=True)(params, jnp.ones((2, 2)))
+  with pytest.raises(TypeError, match=r"grads leaf \['step'\] has dtype float0"):
+    tx.update(grads, tx.init(params), params)
+
+
+@pytest.mark.parametrize("bad", [None, "three", [1.0, 2.0]])
+def test_weight_fn_returning_a_non_number_is_named(bad):
+  params = jnp.ones(2)
+  with pytest.raises((TypeError, ValueError), match=r"weight_fn"):
+    ga.value_and_grad(lambda p, mb: jnp.mean(mb @ p), 2, weight_fn=lambda mb: bad)(
+      params, jnp.ones((4, 2))
+    )
+
+
+def test_microbatch_index_out_of_range():
+  with pytest.raises(IndexError, match=r"index=5 is out of range for num_microbatches=4"):
+    ga.microbatch(jnp.arange(8), 5, 4)
+  with pytest.raises(IndexError, match=r"index=-1"):
+    ga.microbatch(jnp.arange(8), -1, 4)
