@@ -115,7 +115,14 @@ def nnx_train_step(
       (left unchanged). The normalization itself uses each micro-batch's own
       statistics in every mode (see :func:`value_and_grad`).
     compute_dtype, mesh, data_axis, param_specs: as in :func:`train_step`:
-      mixed precision, and data-parallel training over a mesh.
+      mixed precision, and data-parallel training over a mesh. ``param_specs``
+      is a ``PartitionSpec`` or a nested dict of them shaped like
+      ``nnx.to_pure_dict(nnx.state(model, wrt))`` (a prefix of it). With a
+      mesh, every device threads the model's other state through its own
+      micro-batches; float leaves (BatchNorm statistics) are then averaged
+      over the devices and integer leaves (``nnx.Rngs`` counters) take their
+      maximum. The ``nnx.Rngs`` streams are not folded with the device index,
+      so every device draws the same dropout masks for its own rows.
     donate: donate the model's and optimizer's arrays to the step (updated in
       place by XLA).
 
@@ -161,7 +168,9 @@ def nnx_train_step(
     compute_dtype=compute_dtype,
     mesh=mesh,
     data_axis=data_axis,
-    param_specs=param_specs,
+    # The trained variables are an nnx.State: a nested dict of specs (as nnx.to_pure_dict
+    # gives the params) is read as one.
+    param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
     momentum_from_model=True,
   )
   has_aux = bool(has_aux)

@@ -274,7 +274,8 @@ def over_mesh(
 
 
 def _reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
-  """Float leaves averaged over the devices where they differ, integer and bool leaves maxed."""
+  """Float leaves averaged over the devices where they differ; integer, bool (and PRNG key)
+  leaves maxed."""
 
   def reduce(x):
     vary = tuple(a for a in axes if a in varying_axes(x))
@@ -282,6 +283,10 @@ def _reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
       return x
     if is_inexact(x):
       return jax.lax.pmean(x, vary)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # equal on every device in practice
+      return jax.random.wrap_key_data(
+        jax.lax.pmax(jax.random.key_data(x), vary), impl=jax.random.key_impl(x)
+      )
     if jnp.result_type(x) == jnp.bool_:
       return jax.lax.pmax(x.astype(jnp.int32), vary).astype(jnp.bool_)
     return jax.lax.pmax(x, vary)

@@ -1,0 +1,252 @@
+"""Flax Linen and NNX steps data-parallel on 8 CPU devices (BatchNorm, dropout), replicated and FSDP.
+
+The reference is a hand loop on one device over the (device, micro-batch) groups the mesh step
+forms: device ``d`` holds rows ``d B/D .. (d+1) B/D - 1`` and splits them into ``K`` strided
+micro-batches; each group is one ``jax.value_and_grad`` of the model, BatchNorm statistics are
+threaded through a device's micro-batches and then averaged over the devices, the gradients are
+averaged over all groups, and adam is applied once.
+"""
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from helpers import assert_trees_close
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_sharding import collectives
+
+import gradaccum_jax as ga
+
+nnx = pytest.importorskip("flax.nnx")
+
+D = 8  # tests/conftest.py gives jax 8 CPU devices
+K = 2
+B = D * K * 2  # two rows per device micro-batch
+LR = 1e-2
+
+
+def mesh():
+  return jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def put(tree, m, spec):
+  specs = jax.tree.broadcast(spec, tree, is_leaf=lambda s: isinstance(s, P))
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(m, s)), tree, specs)
+
+
+def fsdp_specs(params):
+  """Shard the leading dimension over "data" where it divides by D, else replicate."""
+  return jax.tree.map(lambda x: P("data") if x.shape and x.shape[0] % D == 0 else P(), params)
+
+
+def device_groups(batch):
+  """[(d, i, micro-batch i of device d)] in the mesh step's layout."""
+  rows = B // D
+  out = []
+  for d in range(D):
+    local = jax.tree.map(lambda x, d=d: x[d * rows : (d + 1) * rows], batch)
+    out.extend((d, i, ga.microbatch(local, i, K)) for i in range(K))
+  return out
+
+
+def image_batch(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(B, 6, 6, 1)) + 2.0 * rng.normal(size=(B, 1, 1, 1))
+  return {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(rng.integers(0, 3, B), jnp.int32)}
+
+
+def xent(logits, mb):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+
+def adam_step(params, grads):
+  adam = optax.adam(LR)
+  updates, _ = adam.update(grads, adam.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+def mean_over(trees):
+  return jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
+
+
+def hlo_collectives(compiled):
+  found = collectives(compiled.as_text())
+  in_loop = [c for c in found if c[2]]
+  outside = sorted(op for op, _, inside in found if not inside)
+  return in_loop, outside
+
+
+# --- Linen -----------------------------------------------------------------------------------
+
+
+class LinenCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Conv(8, (3, 3), use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    x = nn.relu(x).mean(axis=(1, 2))
+    x = nn.Dropout(0.25, deterministic=not train)(x)
+    return nn.Dense(3)(x)
+
+
+class TrainState(train_state.TrainState):
+  batch_stats: Any
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def linen_group(model, params, stats, mb, key):
+  def loss(p):
+    out, mutated = model.apply(
+      {"params": p, "batch_stats": stats},
+      mb["x"],
+      train=True,
+      mutable=["batch_stats"],
+      rngs={"dropout": jax.random.fold_in(key, 0)},  # collection 0 of rng_collections
+    )
+    return xent(out, mb), mutated["batch_stats"]
+
+  return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def linen_reference(model, params, stats, batch, rng):
+  grads, losses, final_stats, s = [], [], [], stats
+  for d, i, mb in device_groups(batch):
+    s = stats if i == 0 else s
+    key = jax.random.fold_in(jax.random.fold_in(rng, d), i)
+    (loss, s), g = linen_group(model, params, s, mb, key)
+    grads.append(g)
+    losses.append(loss)
+    if i == K - 1:
+      final_stats.append(s)
+  return adam_step(params, mean_over(grads)), mean_over(final_stats), np.mean(losses)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_linen_step_on_a_mesh_matches_the_device_group_reference(layout):
+  model, m, batch, rng = LinenCNN(), mesh(), image_batch(), jax.random.key(7)
+  variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
+  params, stats = variables["params"], variables["batch_stats"]
+  specs = fsdp_specs(params) if layout == "fsdp" else None
+  tx = ga.accumulate(optax.adam(LR), K)
+  # The optimizer state is made from the params as they are placed (FSDP: sharded), as
+  # train_step's docstring asks.
+  state = TrainState.create(
+    apply_fn=model.apply,
+    params=put(params, m, P() if specs is None else specs),
+    batch_stats=put(stats, m, P()),
+    tx=tx,
+  )
+  step = ga.linen_train_step(model, xent, train_kwargs={"train": True}, mesh=m, param_specs=specs)
+  sharded_batch = put(batch, m, P("data"))
+  new_state, metrics = step(state, sharded_batch, rng)
+
+  ref_params, ref_stats, ref_loss = linen_reference(model, params, stats, batch, rng)
+  assert_trees_close(new_state.params, ref_params, rtol=1e-5, atol=1e-6)
+  assert_trees_close(new_state.batch_stats, ref_stats, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  assert int(new_state.step) == 1 and bool(metrics["updated"])
+  if specs is not None:
+    for x, s in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(specs), strict=True):
+      assert x.sharding.is_equivalent_to(NamedSharding(m, s), x.ndim), (x.sharding, s)
+
+  # The compiled program: nothing in the loop, the collectives of ga.train_step after it.
+  in_loop, outside = hlo_collectives(step.lower(state, sharded_batch, rng).compile())
+  assert in_loop == [], in_loop
+  if specs is None:
+    assert outside == ["all-reduce"], outside  # as ga.train_step: one, whatever k
+  else:
+    sharded = sum(s != P() for s in jax.tree.leaves(specs))
+    assert outside.count("reduce-scatter") == sharded and outside.count("all-gather") >= sharded
+
+
+# --- NNX -------------------------------------------------------------------------------------
+
+
+class NnxCNN(nnx.Module):
+  def __init__(self):
+    rngs = nnx.Rngs(params=0, dropout=1)
+    self.conv = nnx.Conv(1, 8, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.bn(self.conv(x))).mean(axis=(1, 2))
+    return self.head(self.drop(h))
+
+
+def keys_as_data(tree):
+  is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def nnx_xent(model, mb):
+  return xent(model(mb["x"]), mb)
+
+
+@nnx.jit
+def nnx_group(model, mb):
+  # Called eagerly on the model, so BatchNorm statistics and rng counters move as they would.
+  return nnx.value_and_grad(nnx_xent)(model, mb)
+
+
+def nnx_reference(model, batch):
+  """Every device starts from a copy of the model and threads its state (BatchNorm, rng
+  counters) through its own micro-batches; statistics are averaged and counters maxed over
+  the devices."""
+  grads, losses, finals = [], [], []
+  for _, i, mb in device_groups(batch):
+    if i == 0:
+      copy = nnx.clone(model)
+    loss, g = nnx_group(copy, mb)
+    grads.append(nnx.to_pure_dict(g))
+    losses.append(loss)
+    if i == K - 1:
+      finals.append(nnx.to_pure_dict(nnx.state(copy, nnx.Not(nnx.Param))))
+
+  def over_devices(*xs):
+    if jnp.issubdtype(xs[0].dtype, jnp.inexact):
+      return sum(xs) / len(xs)  # BatchNorm statistics: averaged
+    if jnp.issubdtype(xs[0].dtype, jnp.integer):
+      return functools.reduce(jnp.maximum, xs)  # rng counters: equal on every device
+    return xs[0]  # rng keys: unchanged
+
+  new_rest = jax.tree.map(over_devices, *finals)
+  new_params = adam_step(nnx.to_pure_dict(nnx.state(model, nnx.Param)), mean_over(grads))
+  return new_params, new_rest, np.mean(losses)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_nnx_step_on_a_mesh_matches_the_device_group_reference(layout):
+  m, batch = mesh(), image_batch(1)
+  ref_params, ref_rest, ref_loss = nnx_reference(NnxCNN(), batch)
+
+  model = NnxCNN()
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  specs = fsdp_specs(params) if layout == "fsdp" else None
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(LR), K), wrt=nnx.Param)
+  step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=specs)
+  metrics = step(model, optimizer, put(batch, m, P("data")))
+
+  assert_trees_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), ref_params, rtol=1e-5)
+  new_rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+  assert_trees_close(keys_as_data(new_rest), keys_as_data(ref_rest), rtol=1e-5)
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  assert int(optimizer.opt_state.count[...]) == 1
+
+
+def test_nnx_step_on_a_mesh_has_no_collective_in_the_loop():
+  m, batch = mesh(), put(image_batch(2), mesh(), P("data"))
+  model = NnxCNN()
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(LR), K), wrt=nnx.Param)
+  step = ga.nnx_train_step(nnx_xent, mesh=m)
+  in_loop, outside = hlo_collectives(step.lower(model, optimizer, batch).compile())
+  assert in_loop == [], in_loop
+  assert outside.count("all-reduce") >= 1 and "all-gather" not in outside, outside
