@@ -110,7 +110,8 @@ def check_equivalence(
   When they differ, the report names a likely cause (a hint, not a proof):
 
   * ``"randomness"``: ``loss_fn`` on micro-batch 0 gives a different loss with
-    another key (when ``rng`` is given), or in two identical eager calls.
+    another key (when ``rng`` is given), or two traces of it differ (randomness
+    drawn in Python, e.g. ``numpy.random``, which ``jit`` freezes per trace).
   * ``"weighting"``: the whole batch's loss and gradient are, within
     ``max(rtol, 1e-4)``, a weighted average of the micro-batches' with weights
     other than the ones used (found by least squares over the loss and up to
@@ -210,11 +211,11 @@ def check_equivalence(
 
   # The k micro-batches, one at a time, in ga's order (rows i, i + k, ...).
   @jax.jit
-  def one(params, batch, i):
-    key = () if rng is None else (jax.random.fold_in(rng, i),)
-    return split(vg(params, microbatch(batch, i, k), *key))
+  def one(params, batch, i, key):
+    return split(vg(params, microbatch(batch, i, k), *(() if key is None else (key,))))
 
-  micro = [one(params, batch, i) for i in range(k)]
+  keys = [None if rng is None else jax.random.fold_in(rng, i) for i in range(k)]
+  micro = [one(params, batch, i, key) for i, key in enumerate(keys)]
   losses = np.array([float(x) for x, _ in micro])
   g_mean = jax.tree.map(lambda *g: sum(g) / k, *[g for _, g in micro])
 
@@ -233,7 +234,11 @@ def check_equivalence(
   if ok:
     return report
   mbs = [microbatch(batch, i, k) for i in range(k)]
-  if _is_random(loss_fn, params, mbs[0], rng, has_aux, rtol):
+  if rng is not None:  # micro-batch 0 again, with another key
+    random = _rel(float(one(params, batch, 0, jax.random.fold_in(rng, k))[0]), losses[0]) > rtol
+  else:
+    random = _traces_differ(loss_fn, params, mbs[0])
+  if random:
     return dataclasses.replace(report, cause="randomness", reason=_RANDOM)
   grads = [g for _, g in micro]
   fit = _fit_weights(_Flattener(params), losses, grads, loss_whole, g_whole, scale, max(rtol, 1e-4))
@@ -244,7 +249,8 @@ def check_equivalence(
 
 
 _RANDOM = (
-  "loss_fn is random (another key, or a second identical call, changes its loss), so the"
+  "loss_fn is random (another key changes its loss, or it draws new constants each time it"
+  " is traced, e.g. with numpy.random), so the"
   " whole batch and the micro-batches draw different dropout masks or noise and cannot agree."
   " Check with randomness off (deterministic=True, model.eval(), dropout rate 0): the"
   " accumulation of the deterministic loss is what must match."
@@ -329,18 +335,17 @@ class _Flattener:
     return np.asarray(v, np.float64)
 
 
-def _is_random(loss_fn, params, mb, rng, has_aux, rtol) -> bool:
-  """Whether ``loss_fn`` on ``mb`` changes with the key, or between two identical eager calls."""
+def _traces_differ(loss_fn: Callable[..., Any], params: Any, mb: Any) -> bool:
+  """Whether two traces of ``loss_fn`` differ: randomness drawn in Python (``numpy.random``).
 
-  def loss(*args):
-    out = loss_fn(params, mb, *args)
-    return float((out[0] if has_aux else out).astype(jnp.float32))
-
-  if rng is not None:
-    a, b = loss(rng), loss(jax.random.fold_in(rng, 12345))
-  else:
-    a, b = loss(), loss()
-  return _rel(a, b) > rtol
+  A key-free JAX function traces to the same program with the same constants
+  every time; two traces cost no compilation.
+  """
+  # A new wrapper per trace: jax caches the trace of a function it has seen.
+  a, b = (jax.make_jaxpr(lambda p, m: loss_fn(p, m))(params, mb) for _ in range(2))
+  if str(a.jaxpr) != str(b.jaxpr) or len(a.consts) != len(b.consts):
+    return True
+  return any(not np.array_equal(x, y) for x, y in zip(a.consts, b.consts, strict=True))
 
 
 def _fit_weights(flat, losses, grads, loss_whole, g_whole, scale, tol) -> Any:
@@ -370,21 +375,26 @@ def _fit_weights(flat, losses, grads, loss_whole, g_whole, scale, tol) -> Any:
 
 
 def _count_candidates(mb: Any) -> dict[str, Callable[[Any], Any]]:
-  """Counts a ``weight_fn`` might use: ``{"lambda mb: ...": fn}`` from the leaves of ``mb``."""
-  out = {}
+  """Counts a ``weight_fn`` might use, ``{"lambda mb: ...": fn}``, most likely first.
+
+  Masks (bool or 0/1 leaves) first, then labels with an ignore index (integer
+  leaves with negative entries: count those ``>= 0``), then padded token ids
+  (integer leaves of rank >= 2 with zeros: count those ``!= 0``).
+  """
+  masks, labels, tokens = {}, {}, {}
   for path, x in jax.tree_util.tree_leaves_with_path(mb):
     name = "mb" + jax.tree_util.keystr(path)
     x = np.asarray(x)
     if x.dtype == np.bool_ or (
       np.issubdtype(x.dtype, np.number) and x.size and np.all((x == 0) | (x == 1))
     ):
-      out[f"lambda mb: {name}.sum()"] = lambda m, p=path: _leaf(m, p).sum()
+      masks[f"lambda mb: {name}.sum()"] = lambda m, p=path: _leaf(m, p).sum()
     elif np.issubdtype(x.dtype, np.integer) and x.ndim >= 2:
       if np.any(x < 0):
-        out[f"lambda mb: ({name} >= 0).sum()"] = lambda m, p=path: (_leaf(m, p) >= 0).sum()
+        labels[f"lambda mb: ({name} >= 0).sum()"] = lambda m, p=path: (_leaf(m, p) >= 0).sum()
       if np.any(x == 0):
-        out[f"lambda mb: ({name} != 0).sum()"] = lambda m, p=path: (_leaf(m, p) != 0).sum()
-  return out
+        tokens[f"lambda mb: ({name} != 0).sum()"] = lambda m, p=path: (_leaf(m, p) != 0).sum()
+  return masks | labels | tokens
 
 
 def _leaf(tree: Any, path: Any) -> Any:
@@ -424,7 +434,7 @@ def _diagnose(fit, used, mbs, weight_fn, mesh, k) -> tuple[str, str]:
     if counts.sum() > 0 and np.max(np.abs(counts / counts.sum() - fit)) <= tol:
       matches.append(text)
   what = (
-    "Pass weight_fn counting them, e.g. weight_fn=" + " or weight_fn=".join(matches) + "."
+    f"Pass weight_fn counting them, e.g. weight_fn={matches[0]}."
     if matches
     else "Pass weight_fn(microbatch) returning that number (e.g. the non-padding tokens)."
   )
