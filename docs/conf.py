@@ -5,7 +5,6 @@ Build: ``sphinx-build -W -b html docs /tmp/docs_html`` (``tests/test_docs.py`` d
 """
 
 import pathlib
-import shutil
 
 import gradaccum_jax
 
@@ -23,29 +22,36 @@ extensions = [
   "myst_nb",  # MyST markdown pages and .ipynb notebooks (myst-nb brings myst-parser)
 ]
 
+
+def _sync(folder: pathlib.Path, files: dict[str, bytes]) -> None:
+  """Make ``folder`` hold exactly ``files`` (name -> content), rewriting only what changed, so
+  that two builds at once (e.g. two test runs) do not pull files from under each other."""
+  folder.mkdir(exist_ok=True)
+  for stale in set(p.name for p in folder.iterdir()) - set(files):
+    (folder / stale).unlink()
+  for name, content in files.items():
+    if not (folder / name).is_file() or (folder / name).read_bytes() != content:
+      (folder / name).write_bytes(content)
+
+
 # The notebooks live in notebooks/ at the repository root, outside this source folder; copy
 # every one of them (by glob, so new notebooks need no change here) into docs/notebooks/,
 # which is generated and ignored by git. notebooks.md lists them with a globbing toctree.
-_NB_OUT = DOCS / "notebooks"
-shutil.rmtree(_NB_OUT, ignore_errors=True)
-_NB_OUT.mkdir()
-for _nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
-  shutil.copy2(_nb, _NB_OUT / _nb.name)
+_sync(DOCS / "notebooks", {p.name: p.read_bytes() for p in (ROOT / "notebooks").glob("*.ipynb")})
 
 # The benchmark report: benchmarks/README.md and every markdown file under benchmarks/results/
 # (a run_all.py REPORT.md, each script's tables), each on its own page that includes the file
 # as committed, so that a new results file needs no change here. docs/benchmark_results/ is
 # generated and ignored by git.
-_BENCH_OUT = DOCS / "benchmark_results"
-shutil.rmtree(_BENCH_OUT, ignore_errors=True)
-_BENCH_OUT.mkdir()
 _BENCH = ROOT / "benchmarks"
+_pages = {}
 for _md in [_BENCH / "README.md", *sorted((_BENCH / "results").rglob("*.md"))]:
   _rel = _md.relative_to(_BENCH)
   _page = "README" if _rel.name == "README.md" else "_".join(_rel.with_suffix("").parts)
-  (_BENCH_OUT / f"{_page}.md").write_text(
-    f"```{{include}} ../../benchmarks/{_rel.as_posix()}\n:relative-images:\n```\n"
+  _pages[f"{_page}.md"] = (
+    f"```{{include}} ../../benchmarks/{_rel.as_posix()}\n:relative-images:\n```\n".encode()
   )
+_sync(DOCS / "benchmark_results", _pages)
 
 nb_execution_mode = "off"  # render as stored: the test suite executes the notebooks
 myst_enable_extensions = ["dollarmath"]
