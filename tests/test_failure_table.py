@@ -1,0 +1,136 @@
+"""Every row of docs/failure_behaviour.md, run: the error type and message start, or a voided window."""
+
+import builtins
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import init_mlp, make_batch, xent_loss
+from jax.sharding import AxisType
+
+import gradaccum_jax as ga
+
+TABLE = Path(__file__).parent.parent / "docs" / "failure_behaviour.md"
+K = 4
+
+
+def rows():
+  out = {}
+  for line in TABLE.read_text().splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if (
+      len(cells) == 2
+      and line.startswith("|")
+      and not set(cells[0]) <= {"-"}
+      and cells[0] != "Bad input"
+    ):
+      out[cells[0]] = cells[1]
+  return out
+
+
+PARAMS = init_mlp(jax.random.key(0), (6, 3))
+BATCH = make_batch(jax.random.key(1), 16)
+
+
+def fused(batch=BATCH, loss_fn=xent_loss, params=PARAMS, inner=None, k=K, **kw):
+  tx = ga.accumulate(inner or optax.sgd(0.1), k)
+  return ga.train_step(loss_fn, tx, **kw)(params, tx.init(params), batch)
+
+
+def streaming(weight):
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  return tx.update(jax.grad(xent_loss)(PARAMS, BATCH), tx.init(PARAMS), PARAMS, weight=weight)
+
+
+def with_weights(w):
+  batch = dict(BATCH, w=jnp.asarray(w, jnp.float32))
+  return fused(batch, weight_fn=lambda mb: mb["w"].sum())
+
+
+def nan_row():
+  return fused(dict(BATCH, x=BATCH["x"].at[3, 1].set(jnp.nan)))
+
+
+def schedule(value):
+  tx = ga.accumulate(optax.sgd(0.1), lambda count: value)
+  return tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))
+
+
+def missing_feature():
+  old = ga.accumulate(optax.sgd(0.1), 2).init(jnp.zeros(2))
+  return ga.accumulate(optax.sgd(0.1), 2, loss_scale=ga.DynamicLossScale()).update(
+    jnp.ones(2), old, jnp.zeros(2)
+  )
+
+
+def negative_traced():
+  w = jnp.ones(16).at[0::K].set(-5.0)  # micro-batch 0 has a negative weight
+  _, _, metrics = with_weights(w)
+  assert bool(metrics["updated"]) and float(metrics["weight"]) == 12.0
+  return "counted as 0"
+
+
+TRIGGERS = {
+  "an empty batch (B = 0)": lambda: fused({"x": jnp.zeros((0, 6)), "y": jnp.zeros(0, jnp.int32)}),
+  "a batch size that `k` does not divide": lambda: fused(make_batch(jax.random.key(1), 10)),
+  "batch leaves with different leading dimensions": lambda: fused(dict(BATCH, y=BATCH["y"][:8])),
+  "a NaN or Inf in any micro-batch's gradient": nan_row,
+  "a NaN or Inf weight": lambda: with_weights(jnp.ones(16).at[5].set(jnp.nan)),
+  "every weight 0": lambda: with_weights(jnp.zeros(16)),
+  "a negative weight, concrete (`tx.update(..., weight=-1.0)`)": lambda: streaming(-1.0),
+  "a negative weight computed under `jit` (`weight_fn`)": negative_traced,
+  "`weight_fn` returning `None` or a non-number": lambda: fused(weight_fn=lambda mb: None),
+  "`weight_fn` returning an array": lambda: fused(weight_fn=lambda mb: mb["x"][:, 0]),
+  "a non-scalar loss": lambda: fused(loss_fn=lambda p, mb: mb["x"] @ p["layer0"]["w"]),
+  "`(loss, aux)` returned without `has_aux=True`": lambda: fused(
+    loss_fn=lambda p, mb: (xent_loss(p, mb), 1.0)
+  ),
+  "an integer or bool leaf in the params": lambda: fused(
+    params=dict(PARAMS, step=jnp.zeros((), jnp.int32))
+  ),
+  "a `num_microbatches` schedule returning 0 or less": lambda: schedule(0),
+  "a `num_microbatches` schedule returning a float": lambda: schedule(2.7),
+  "a schedule given to a fused step": lambda: ga.train_step(
+    xent_loss, ga.accumulate(optax.sgd(0.1), lambda c: 2)
+  ),
+  "a state made without a feature the transformation has": missing_feature,
+  "the inner optimizer's state instead of `tx.init(params)`": lambda: ga.train_step(
+    xent_loss, ga.accumulate(optax.sgd(0.1), K)
+  )(PARAMS, optax.sgd(0.1).init(PARAMS), BATCH),
+  "gradients with another structure than the params": lambda: ga.accumulate(
+    optax.sgd(0.1), 2
+  ).update({"w": jnp.ones(2)}, ga.accumulate(optax.sgd(0.1), 2).init(PARAMS)),
+  "`num_real_microbatches` outside `1..k`": lambda: ga.train_step(
+    xent_loss, ga.accumulate(optax.sgd(0.1), K)
+  )(PARAMS, ga.accumulate(optax.sgd(0.1), K).init(PARAMS), BATCH, num_real_microbatches=5),
+  "`ga.microbatch` index outside `0..k-1`": lambda: ga.microbatch(BATCH, 5, 4),
+  "an inner optimizer that needs `value_fn=` (a line search)": lambda: fused(inner=optax.lbfgs()),
+  "a mesh without the data axis": lambda: ga.train_step(
+    xent_loss,
+    ga.accumulate(optax.sgd(0.1), K),
+    mesh=jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Explicit,)),
+  ),
+  "an optimizer not wrapped in `ga.accumulate`": lambda: ga.train_step(xent_loss, optax.sgd(0.1)),
+}
+
+
+def test_every_row_has_a_trigger():
+  assert set(rows()) == set(TRIGGERS)
+
+
+@pytest.mark.parametrize("row", sorted(TRIGGERS))
+def test_row(row):
+  expected = rows()[row]
+  if expected == "voided window":
+    _, state, metrics = TRIGGERS[row]()
+    assert not bool(metrics["updated"]) and int(state.num_skipped) == 1
+    return
+  if not expected.startswith("`"):
+    assert TRIGGERS[row]() == "counted as 0"
+    return
+  error, message = re.fullmatch(r"`(\w+): (.*)`", expected).groups()
+  with pytest.raises(getattr(builtins, error), match=re.escape(message)):
+    TRIGGERS[row]()
