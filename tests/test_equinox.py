@@ -137,3 +137,37 @@ def test_streaming_with_filter_grad_and_filter_jit_matches_big_batch_adam():
   assert_trees_close(opt_state.inner_state, ref_inner)
   assert int(opt_state.count) == WINDOWS
   assert_static_fields_kept(trained, model)
+
+
+def test_data_parallel_on_a_mesh_matches_big_batch_adam():
+  """The filtered params (with None holes) on 8 devices: replicated, then FSDP param_specs."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  model, data = make_model(), [make_batch(jax.random.key(s), 8 * K) for s in (3, 4)]
+  ref_params, ref_inner, _ = reference_run(model, data)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  # FSDP: the leading dimension over "data" where it divides by the 8 devices.
+  fsdp = jax.tree.map(lambda x: P("data") if x.shape[0] % 8 == 0 else P(), params)
+
+  def loss_fn(params, microbatch):
+    return model_loss(eqx.combine(params, static), microbatch)
+
+  for specs in (None, fsdp):
+    tx = ga.accumulate(optax.adam(LR), K)
+    placed = (
+      eqx.filter_shard(params, NamedSharding(mesh, P()))
+      if specs is None
+      else (jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs))
+    )
+    opt_state = tx.init(placed)
+    step = ga.train_step(loss_fn, tx, mesh=mesh, param_specs=specs)
+    p = placed
+    for batch in data:
+      sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch)
+      p, opt_state, metrics = step(p, opt_state, sharded)
+      assert bool(metrics["updated"])
+    assert_trees_close(p, ref_params)
+    assert_trees_close(opt_state.inner_state, ref_inner)
+    assert_static_fields_kept(eqx.combine(p, static), model)
