@@ -36,6 +36,7 @@ def measured():
   return {k: ga.step_memory(loss_fn, PARAMS, BATCH, k) for k in TRIED}
 
 
+@pytest.mark.slow
 def test_step_memory_is_the_compiled_programs_analysis():
   """Reference: compile the fused step by hand and add up XLA's numbers; the arguments hold at
   least the params, the fp32 accumulator (same size) and the whole batch."""
@@ -55,6 +56,7 @@ def test_step_memory_is_the_compiled_programs_analysis():
   assert ga.step_memory(loss_fn, PARAMS, BATCH, k) == expected
 
 
+@pytest.mark.slow
 def test_estimate_is_non_increasing_in_k(measured):
   # From k = 2 on, a smaller micro-batch needs no more memory. k = 1 is left out: on XLA:CPU
   # it needs less temp memory than k = 2 (which is why auto_microbatch searches linearly).
@@ -66,6 +68,7 @@ def test_estimate_is_non_increasing_in_k(measured):
   assert values[0] > values[-1], dict(zip(ks, values, strict=True))  # the activations did shrink
 
 
+@pytest.mark.slow
 def test_auto_microbatch_picks_the_largest_microbatch_that_fits(measured):
   budget = (measured[4] + measured[8]) // 2  # 4 micro-batches of 256 do not fit, 8 of 128 do
   assert measured[1] > budget and measured[2] > budget
@@ -78,6 +81,7 @@ def test_auto_microbatch_picks_the_largest_microbatch_that_fits(measured):
   assert estimates[8] <= budget < estimates[4]  # next larger micro-batch: the divisor below
 
 
+@pytest.mark.slow
 def test_auto_microbatch_returns_the_whole_batch_when_it_fits(measured):
   k, estimates = ga.auto_microbatch(
     loss_fn, PARAMS, BATCH, memory_budget_bytes=measured[1], return_estimates=True
@@ -92,6 +96,7 @@ def tiny_loss(w, batch):
 TINY_BATCH = {"x": jnp.ones((6, 3)), "y": jnp.ones(6)}
 
 
+@pytest.mark.slow
 def test_budget_too_small_names_the_bytes():
   one_example = ga.step_memory(tiny_loss, jnp.zeros(3), TINY_BATCH, 6)
   with pytest.raises(ValueError, match=rf"k = B = 6\) needs {one_example} bytes.*=100\b"):

@@ -46,6 +46,7 @@ def rows(batch, i, k):
   return jax.tree.map(lambda x: x[i::k], batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_ok_for_a_per_example_mean(k):
   params = init_mlp(jax.random.key(0))
@@ -62,6 +63,7 @@ def test_ok_for_a_per_example_mean(k):
   assert "equivalent (rtol=1e-05)" in str(report) and "NOT" not in str(report)
 
 
+@pytest.mark.slow
 def test_flags_a_token_mean_without_weight_fn_and_passes_with_it():
   params, batch, k = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 8), 4
   report = ga.check_equivalence(token_xent, params, batch, k)
@@ -84,6 +86,7 @@ def test_flags_a_token_mean_without_weight_fn_and_passes_with_it():
   assert fixed.weighted and fixed.mean_of_means_error > 1e-3  # the naive mean still drifts
 
 
+@pytest.mark.slow
 def test_names_an_ignore_index_count():
   params, batch, k = init_lm(jax.random.key(2)), token_batch(jax.random.key(3), 8), 2
   labels = jnp.where(batch["mask"], batch["y"], -100)  # no mask leaf: labels -100 are ignored
@@ -102,6 +105,7 @@ def test_names_an_ignore_index_count():
   assert ok.ok
 
 
+@pytest.mark.slow
 def test_flags_a_weight_fn_that_counts_the_wrong_thing():
   params, batch = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 8)
   report = ga.check_equivalence(
@@ -118,6 +122,7 @@ def standardized_loss(params, batch):
   return xent_loss(params, {**batch, "x": x})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_fn", [None, lambda mb: mb["x"].shape[0] * 1.0])
 def test_flags_batch_dependence(weight_fn):
   params = init_mlp(jax.random.key(0))
@@ -140,6 +145,7 @@ def dropout_loss(params, batch, key):
   return xent_loss(params, {**batch, "x": batch["x"] * keep / 0.8})
 
 
+@pytest.mark.slow
 def test_flags_randomness_from_a_key():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)
@@ -151,6 +157,7 @@ def test_flags_randomness_from_a_key():
   assert ga.check_equivalence(ignores, params, batch, 4, rng=jax.random.key(3)).ok
 
 
+@pytest.mark.slow
 def test_flags_randomness_from_side_effects():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)
@@ -163,6 +170,7 @@ def test_flags_randomness_from_side_effects():
   assert not report.ok and report.cause == "randomness"
 
 
+@pytest.mark.slow
 def test_has_aux():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)
@@ -190,6 +198,7 @@ def mesh_8():
   return jax.make_mesh((8,), ("data",))
 
 
+@pytest.mark.slow
 def test_on_a_mesh():
   mesh = mesh_8()
   params = init_mlp(jax.random.key(0))
@@ -206,6 +215,7 @@ def test_on_a_mesh():
   assert fixed.ok, str(fixed)
 
 
+@pytest.mark.slow
 def test_report_is_frozen():
   params = init_mlp(jax.random.key(0))
   report = ga.check_equivalence(xent_loss, params, make_batch(jax.random.key(1), 8), 2)

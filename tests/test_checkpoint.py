@@ -154,6 +154,7 @@ def test_restore_mid_window_then_fused_step_closes_the_window(trajectory, checkp
   assert_bit_exact(fused_step(*ours, last_batch)[:2], fused_step(*uninterrupted, last_batch)[:2])
 
 
+@pytest.mark.slow
 def test_loss_scale_state_round_trips(checkpointer, tmp_path):
   """With dynamic loss scaling the state carries a LossScaleState; it survives a checkpoint."""
   scaled_tx = ga.accumulate(

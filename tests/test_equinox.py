@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from helpers import assert_trees_close, make_batch
 
 import gradaccum_jax as ga
@@ -70,6 +71,7 @@ def assert_static_fields_kept(model, original):
   assert_trees_close(model.offsets, original.offsets, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_partition_leaves_holes_for_the_non_array_fields():
   """The setting that needs care: params is a Module with None where the fields are not arrays."""
   model = make_model()
@@ -81,6 +83,7 @@ def test_partition_leaves_holes_for_the_non_array_fields():
   assert state.acc_grads.offsets is None and state.acc_grads.squash is None
 
 
+@pytest.mark.slow
 def test_fused_train_step_matches_big_batch_adam():
   model, data = make_model(), batches()
   ref_params, ref_inner, ref_losses = reference_run(model, data)
@@ -104,6 +107,7 @@ def test_fused_train_step_matches_big_batch_adam():
   assert_static_fields_kept(eqx.combine(params, static), model)
 
 
+@pytest.mark.slow
 def test_streaming_with_filter_grad_and_filter_jit_matches_big_batch_adam():
   """The case optax.MultiSteps needs workarounds for (equinox#590): updates with None leaves."""
   model, data = make_model(), batches()

@@ -44,9 +44,12 @@ def reference_run(inner, params, data):
   return history
 
 
+SLOW = {"adafactor", "lamb"}  # the two slowest to compile: in the full suite only
+
+
 @pytest.mark.parametrize(
   "name",
-  [pytest.param(n, marks=pytest.mark.slow) if n == "adafactor" else n for n in sorted(OPTIMIZERS)],
+  [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(OPTIMIZERS)],
 )
 def test_fused_step_matches_big_batch(name):
   params = init_mlp(jax.random.key(0))
@@ -63,7 +66,10 @@ def test_fused_step_matches_big_batch(name):
   assert int(state.count) == WINDOWS
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(OPTIMIZERS)],
+)
 def test_streaming_matches_big_batch(name):
   params = init_mlp(jax.random.key(0))
   data = batches()

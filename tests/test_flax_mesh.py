@@ -128,6 +128,7 @@ def linen_reference(model, params, stats, batch, rng):
   return adam_step(params, mean_over(grads)), mean_over(final_stats), np.mean(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_linen_step_on_a_mesh_matches_the_device_group_reference(layout):
   model, m, batch, rng = LinenCNN(), mesh(), image_batch(), jax.random.key(7)
@@ -223,6 +224,7 @@ def nnx_reference(model, batch):
   return new_params, new_rest, np.mean(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_nnx_step_on_a_mesh_matches_the_device_group_reference(layout):
   m, batch = mesh(), image_batch(1)
@@ -242,6 +244,7 @@ def test_nnx_step_on_a_mesh_matches_the_device_group_reference(layout):
   assert int(optimizer.opt_state.count[...]) == 1
 
 
+@pytest.mark.slow
 def test_nnx_step_on_a_mesh_has_no_collective_in_the_loop():
   m, batch = mesh(), put(image_batch(2), mesh(), P("data"))
   model = NnxCNN()

@@ -215,6 +215,7 @@ def test_fp16_loss_scale_once_per_window_overflow_skips_and_growth_fused():
   assert rel_err(displacement(trajectory[-1], params), displacement(ref[-1], params)) < 4 * FP16_U
 
 
+@pytest.mark.slow
 def test_fp16_loss_scale_streaming_user_scales_the_loss():
   """Streaming: the user differentiates loss * state.loss_scale.scale; the scale only changes
   when a window closes."""

@@ -79,6 +79,7 @@ def test_sequential_threads_the_state(setup):
   assert int(opt_state.count) == 1
 
 
+@pytest.mark.slow
 def test_per_window_uses_the_pooled_statistics_of_the_whole_batch(setup):
   params, state, batch = setup
   _, ref_grads, ref_state = hand_loop(params, state, batch, thread_bn=False)

@@ -75,6 +75,7 @@ def assert_mean_close(samples, expected, what):
   return mean, se
 
 
+@pytest.mark.slow
 def test_unweighted_estimates_match_the_closed_form_for_linear_regression():
   k, b, windows = 4, 8, 4000
   tx = ga.accumulate(optax.sgd(0.0), k, noise_scale_ema=0.99)

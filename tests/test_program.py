@@ -75,6 +75,7 @@ def while_loops(hlo_text):
   return re.findall(r"\swhile\(", hlo_text)
 
 
+@pytest.mark.slow
 def test_one_loop_and_a_program_size_independent_of_k():
   params = jax.eval_shape(lambda: init_mlp(jax.random.key(0)))
   texts = {}
@@ -115,6 +116,7 @@ def test_second_call_does_not_retrace():
   assert int(state.count) == 6 and int(state.micro_step) == 2
 
 
+@pytest.mark.slow
 def test_state_survives_cond_and_scan():
   """The streaming state keeps its type through lax.cond and drives a lax.scan of micro-steps."""
   params = init_mlp(jax.random.key(0))
@@ -142,6 +144,7 @@ def test_state_survives_cond_and_scan():
   assert_trees_close(new_state, fused_state)
 
 
+@pytest.mark.slow
 def test_donation_runs_and_matches():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)

@@ -95,6 +95,7 @@ SETTINGS = settings(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(cases())
 def test_every_mode_equals_the_whole_batch_step(case):
@@ -123,6 +124,7 @@ def test_every_mode_equals_the_whole_batch_step(case):
   close(optax.apply_updates(params, updates), expected, params)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(cases(), st.integers(0, 1), st.integers(0, 100))
 def test_a_nan_anywhere_voids_exactly_its_window(case, bad_window, where):

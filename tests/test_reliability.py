@@ -31,6 +31,7 @@ def bn_loss(params, state, mb):
   return -jnp.mean(jnp.take_along_axis(logp, mb["y"][:, None], axis=1)), new
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sequential", "per_window", "frozen"])
 def test_a_voided_window_leaves_model_state_params_and_optimizer_state_as_they_were(mode):
   params = init_mlp(jax.random.key(0), (6, 3))
@@ -48,6 +49,7 @@ def test_a_voided_window_leaves_model_state_params_and_optimizer_state_as_they_w
   assert_trees_close(new_state.inner_state, state.inner_state, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_voided_window_leaves_linen_batch_stats_as_they_were():
   flax_nn = pytest.importorskip("flax.linen")
   from flax.training import train_state
@@ -95,6 +97,7 @@ def complex_setup():
   return params, batch
 
 
+@pytest.mark.slow
 def test_complex_params_keep_their_imaginary_part_in_every_mode():
   params, batch = complex_setup()
   ref_loss, ref_grads = jax.value_and_grad(complex_loss)(params, batch)
@@ -133,6 +136,7 @@ def weighted_loss(params, mb):
   return xent_loss(params, mb)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_non_finite_weight_voids_the_window_in_every_mode(bad):
   params = init_mlp(jax.random.key(0), (6, 3))
@@ -171,6 +175,7 @@ def test_negative_weights_raise_when_concrete_and_count_zero_when_traced():
   assert_trees_close(grads, ref_grads, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_loss_and_aux_are_summed_in_float64_under_x64():
   code = """
 import jax
@@ -241,6 +246,7 @@ def test_a_float_schedule_is_refused_under_jit():
     jax.jit(tx.update)(jnp.ones(2), tx.init(params), params)
 
 
+@pytest.mark.slow
 def test_reduce_on_plateau_gets_the_window_mean_loss_as_value():
   params = init_mlp(jax.random.key(0), (6, 3))
   batch = make_batch(jax.random.key(1), B)

@@ -78,6 +78,7 @@ def test_token_weighted_loss_is_the_token_mean_of_the_whole_batch():
   assert_trees_close(optax.apply_updates(params, updates), ref_params)
 
 
+@pytest.mark.slow
 def test_zero_weight_microbatch_contributes_nothing_even_nan():
   params = init_mlp(jax.random.key(0))
   # Rows 1, 5, 9, 13 (micro-batch 1) are all padding: its mean loss is 0/0 = NaN.

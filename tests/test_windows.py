@@ -48,6 +48,7 @@ def weight_of(mb):
   return mb["mask"].sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True])
 def test_num_real_microbatches_equals_a_step_built_for_m_and_compiles_once(weighted):
   params = init_mlp(jax.random.key(0), (6, 3))
@@ -99,6 +100,7 @@ def test_padded_microbatches_are_not_computed():
   assert len(calls) == 2, len(calls)
 
 
+@pytest.mark.slow
 def test_num_real_microbatches_with_model_state_per_window():
   """per_window BatchNorm statistics pool the m real micro-batches only."""
 
@@ -127,6 +129,7 @@ def test_num_real_microbatches_with_model_state_per_window():
   assert_trees_close(out[1], ref[1], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_num_real_microbatches_on_a_mesh():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   params = init_mlp(jax.random.key(0), (6, 3))
@@ -148,6 +151,7 @@ def test_num_real_microbatches_on_a_mesh():
   np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True])
 def test_flush_after_m_streaming_calls_is_one_big_batch_step(weighted):
   params = init_mlp(jax.random.key(2), (6, 3))
