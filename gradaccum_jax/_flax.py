@@ -15,6 +15,7 @@ from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._checks import check_batch
 from gradaccum_jax._microbatch import microbatch
 from gradaccum_jax._options import LossSpec, make_options, split_output
+from gradaccum_jax._sharding import AutoGatherStep
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -64,6 +65,8 @@ def linen_train_step(
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
@@ -127,6 +130,9 @@ def linen_train_step(
       mixed precision, and data-parallel training over a mesh (every device
       threads ``batch_stats`` through its own micro-batches, which are then
       averaged over the devices; see :func:`train_step`).
+    gather_params, memory_budget_bytes: with ``param_specs``, how params
+      sharded over data axes are gathered (``"once"``, ``"per_microbatch"``
+      or ``"auto"``), as in :func:`train_step`.
 
   Returns:
     ``step(train_state, batch, rng=None, *, num_real_microbatches=None) ->
@@ -183,8 +189,36 @@ def linen_train_step(
     mesh=mesh,
     data_axis=data_axis,
     param_specs=param_specs,
+    gather_params=gather_params,
+    memory_budget_bytes=memory_budget_bytes,
     momentum_from_model=True,
   )
+  if gather_params == "auto":  # one step per policy, run as their compiled memory says
+    if not jit:
+      raise ValueError("linen_train_step: gather_params='auto' compiles the step; it needs jit.")
+    return AutoGatherStep(
+      {
+        g: linen_train_step(
+          module,
+          loss_fn,
+          batchnorm=batchnorm,
+          batchnorm_momentum=batchnorm_momentum,
+          has_aux=has_aux,
+          weight_fn=weight_fn,
+          inputs=inputs,
+          train_kwargs=train_kwargs,
+          rng_collections=rng_collections,
+          donate=donate,
+          compute_dtype=compute_dtype,
+          mesh=mesh,
+          data_axis=data_axis,
+          param_specs=param_specs,
+          gather_params=g,
+        )
+        for g in ("once", "per_microbatch")
+      },
+      options.parallel.budget,
+    )
   if not (isinstance(inputs, str) or callable(inputs)):
     raise TypeError(
       f"{inputs=} must be the key of the model input in the batch (a str) or a callable"

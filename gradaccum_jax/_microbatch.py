@@ -146,14 +146,23 @@ class MicrobatchedGrad:
       params, batch, rng, acc_init, model_state, scale, num_real,
     )  # fmt: skip
 
-  def local_sums(self, params, batch, rng, acc_init, model_state, scale, num_real, vary=()):
-    """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes)."""
+  def local_sums(
+    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
+  ):
+    """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes).
+
+    ``per_micro`` (``gather_params="per_microbatch"``, a ``_sharding.PerMicrobatch``): the
+    params are shards, gathered for each micro-batch, and the gradient sums are reduced into
+    a sharded accumulator (``acc_init`` shaped like the shards).
+    """
     k, opts = self.num_microbatches, self.options
     rows = check_batch(batch, k) // k
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
     sums_unit = SumsUnit(opts.weighting)
+    if per_micro is not None:
+      sums_unit = per_micro.wrap(sums_unit)
     noise_unit = NoiseUnit(opts.weighting) if self.noise_scale else Off()
     model_unit = (
       ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
@@ -164,7 +173,8 @@ class MicrobatchedGrad:
     def one(i, start):
       mb = microbatch(batch, i, k)
       key = None if rng is None else jax.random.fold_in(rng, i)
-      (_, (loss, aux, new_state)), grads = grad_fn(params, start, mb, key, scale)
+      p = params if per_micro is None else per_micro.gather(params, i)
+      (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, scale)
       return Micro(loss, aux, grads, opts.weighting.of(mb), new_state)
 
     like = jax.eval_shape(one, 0, model_state)
@@ -206,6 +216,7 @@ def value_and_grad(
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
+  gather_params: str = "once",
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -279,7 +290,10 @@ def value_and_grad(
       ``PartitionSpec`` leaves: the params are sharded (FSDP/ZeRO style) over
       data axes, gathered once before the scan, and the gradients are
       reduce-scattered into this sharding once after it. ``None``: the params
-      are replicated. Needs ``mesh``.
+      are replicated. Needs ``mesh``. Other mesh axes (tensor parallelism)
+      are left to GSPMD, as in :func:`train_step`.
+    gather_params: ``"once"`` or ``"per_microbatch"``, as in
+      :func:`train_step` (``"auto"`` needs its jitted step).
 
   Returns:
     A function ``(params, batch, rng=None, *, num_real_microbatches=None) ->
@@ -316,6 +330,11 @@ def value_and_grad(
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
+  if gather_params == "auto":
+    raise ValueError(
+      "value_and_grad: gather_params='auto' compiles both policies, which needs the jitted"
+      " step of ga.train_step; pass 'once' or 'per_microbatch'."
+    )
   opts = make_options(
     "value_and_grad",
     loss_fn,
@@ -328,6 +347,7 @@ def value_and_grad(
     mesh=mesh,
     data_axis=data_axis,
     param_specs=param_specs,
+    gather_params=gather_params,
   )
   mg = MicrobatchedGrad(opts, k)
 

@@ -9,6 +9,7 @@ from typing import Any
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._model_state import batchnorm_leaves
 from gradaccum_jax._options import LossSpec, make_options, split_output
+from gradaccum_jax._sharding import AutoGatherStep
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -60,6 +61,8 @@ def nnx_train_step(
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
   donate: bool = False,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
 ) -> Callable[..., dict[str, Any]]:
   r"""A jitted accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -125,6 +128,9 @@ def nnx_train_step(
       so every device draws the same dropout masks for its own rows.
     donate: donate the model's and optimizer's arrays to the step (updated in
       place by XLA).
+    gather_params, memory_budget_bytes: with ``param_specs``, how params
+      sharded over data axes are gathered (``"once"``, ``"per_microbatch"``
+      or ``"auto"``), as in :func:`train_step`.
 
   Returns:
     ``step(model, optimizer, batch, *, num_real_microbatches=None) ->
@@ -171,8 +177,29 @@ def nnx_train_step(
     # The trained variables are an nnx.State: a nested dict of specs (as nnx.to_pure_dict
     # gives the params) is read as one.
     param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
+    gather_params=gather_params,
+    memory_budget_bytes=memory_budget_bytes,
     momentum_from_model=True,
   )
+  if gather_params == "auto":  # one step per policy, run as their compiled memory says
+    return AutoGatherStep(
+      {
+        g: nnx_train_step(
+          loss_fn,
+          has_aux=has_aux,
+          weight_fn=weight_fn,
+          batchnorm=batchnorm,
+          compute_dtype=compute_dtype,
+          mesh=mesh,
+          data_axis=data_axis,
+          param_specs=param_specs,
+          donate=donate,
+          gather_params=g,
+        )
+        for g in ("once", "per_microbatch")
+      },
+      options.parallel.budget,
+    )
   has_aux = bool(has_aux)
 
   def step(model, optimizer, batch, *, num_real_microbatches=None):

@@ -89,6 +89,10 @@ class Options:
   def has_state(self) -> bool:
     return self.loss.has_state
 
+  def with_gather(self, gather: str) -> Options:
+    """These options with the params gathered ``gather`` ("once" or "per_microbatch")."""
+    return dataclasses.replace(self, parallel=self.parallel.with_gather(gather))
+
 
 def make_options(
   where: str,
@@ -103,6 +107,8 @@ def make_options(
   mesh: Any = None,
   data_axis: Any = None,
   param_specs: Any = None,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
   momentum_from_model: bool = False,
 ) -> Options:
   """Validates the options of ``where`` (a public function's name) and builds them."""
@@ -123,5 +129,7 @@ def make_options(
     batchnorm=batchnorm,
     batchnorm_momentum=None if batchnorm_momentum is None else float(batchnorm_momentum),
     compute_dtype=compute_dtype,
-    parallel=make_data_parallel(mesh, data_axis, param_specs, where),
+    parallel=make_data_parallel(
+      mesh, data_axis, param_specs, where, gather_params, memory_budget_bytes
+    ),
   )

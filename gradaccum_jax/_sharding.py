@@ -3,15 +3,26 @@
 ``jax.jit`` of a ``lax.scan`` over a batch sharded on a ``data`` axis leaves the
 partitioning to GSPMD, which all-gathers the batch before the loop and
 all-reduces the gradient inside it, once per micro-batch. Here the scan runs
-under ``jax.shard_map`` instead: every device splits its own rows into the ``k``
-micro-batches and accumulates their gradients locally, with the params and the
-accumulator cast to device-varying (``jax.lax.pcast(..., to="varying")``) so
-that differentiating replicated params inserts no ``psum`` into the loop body.
-The sums are reduced once, after the loop: one ``psum`` (gradients of
-replicated params, loss, weight and aux sums together) and, for params sharded
-over the data axes, one ``psum_scatter`` per such param. The window is then
-closed outside the ``shard_map``, by the jitted (GSPMD) program, on the reduced
-gradient.
+under ``jax.shard_map`` over the data axes only (partial-manual: other mesh
+axes, e.g. ``"model"`` for tensor parallelism, stay under GSPMD inside the
+loss): every device splits its own rows into the ``k`` micro-batches and
+accumulates their gradients locally, with the params and the accumulator cast
+to device-varying (``jax.lax.pcast(..., to="varying")``) so that
+differentiating replicated params inserts no ``psum`` into the loop body.
+
+Params sharded over data axes (FSDP) follow a policy (``gather_params``):
+
+- ``"once"``: gathered once before the scan, kept gathered for the window,
+  the full-size local gradients reduce-scattered once after it.
+- ``"per_microbatch"``: kept sharded; each micro-batch gathers them and its
+  gradient is reduce-scattered into a sharded accumulator inside the loop.
+- ``"auto"``: the step is compiled both ways and the one whose compiled memory
+  fits ``memory_budget_bytes`` (``"once"`` first) is run (:class:`AutoGatherStep`).
+
+After the loop: one ``psum`` of everything additive and replicated (gradients
+of params replicated over the data axes, loss, weight, aux and noise sums), and
+the data-sharded gradients reduced as their policy says. The window is then
+closed outside the ``shard_map``, by the jitted (GSPMD) program.
 """
 
 from __future__ import annotations
@@ -27,16 +38,21 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._checks import check_batch, is_inexact
-from gradaccum_jax._parts import Sums, Weighting
+from gradaccum_jax._parts import Micro, Sums, SumsUnit, Weighting
+
+GATHER_POLICIES = ("once", "per_microbatch", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
-  """Where the batch and the params live: a mesh, its data axes and the params' specs."""
+  """Where the batch and the params live: a mesh, its data axes, the params' specs, and how
+  params sharded over the data axes are gathered."""
 
   mesh: jax.sharding.Mesh
   axes: tuple[str, ...]  # the mesh axes the batch's leading dimension is split over
   param_specs: Any  # a pytree prefix of PartitionSpecs for the params (None: replicated)
+  gather: str = "once"  # one of GATHER_POLICIES
+  budget: int | None = None  # bytes per device, for gather="auto"
 
   @property
   def size(self) -> int:
@@ -47,16 +63,60 @@ class DataParallel:
   def batch_spec(self) -> P:
     return P(self.axes[0] if len(self.axes) == 1 else self.axes)
 
+  def with_gather(self, gather: str) -> DataParallel:
+    return dataclasses.replace(self, gather=gather)
+
+
+def device_memory_budget(mesh: jax.sharding.Mesh, where: str) -> int:
+  """The memory limit of the mesh's first device (``memory_stats()["bytes_limit"]``).
+
+  The same reading as ``ga.auto_microbatch``'s default; a backend without it (CPU) raises.
+  """
+  device = mesh.devices.flat[0]
+  stats = device.memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    raise ValueError(
+      f"{where}: gather_params='auto' compares the compiled memory of both policies with a"
+      f" budget, but the device ({device.platform}: {device}) reports no memory limit"
+      f" (memory_stats() is {stats!r}). Pass memory_budget_bytes=, the bytes per device the"
+      " step may use."
+    )
+  return int(stats["bytes_limit"])
+
 
 def make_data_parallel(
-  mesh: Any, data_axis: Any, param_specs: Any, where: str
+  mesh: Any,
+  data_axis: Any,
+  param_specs: Any,
+  where: str,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
 ) -> DataParallel | None:
-  """Checks ``mesh``/``data_axis``/``param_specs``; None without a mesh."""
-  if mesh is None:
-    if data_axis is not None or param_specs is not None:
-      given = "data_axis" if data_axis is not None else "param_specs"
+  """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
+  if gather_params not in GATHER_POLICIES:
+    raise ValueError(
+      f"{where}: gather_params={gather_params!r} must be one of"
+      f" {', '.join(map(repr, GATHER_POLICIES))}."
+    )
+  if memory_budget_bytes is not None:
+    if gather_params != "auto":
       raise ValueError(
-        f"{where}: {given}= needs mesh=, the jax.sharding.Mesh the batch is sharded over,"
+        f"{where}: memory_budget_bytes= is the budget of gather_params='auto'; got"
+        f" gather_params={gather_params!r}."
+      )
+    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int | float):
+      raise TypeError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a number.")
+    if not memory_budget_bytes > 0:
+      raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be > 0.")
+  if mesh is None:
+    given = [
+      name
+      for name, value in (("data_axis", data_axis), ("param_specs", param_specs))
+      if value is not None
+    ] + (["gather_params"] if gather_params != "once" else [])
+    if given:
+      raise ValueError(
+        f"{where}: {given[0]}= needs mesh=, the jax.sharding.Mesh the batch is sharded over,"
         f" e.g. mesh=jax.make_mesh((jax.device_count(),), ('data',))."
       )
     return None
@@ -81,7 +141,10 @@ def make_data_parallel(
       f" {', '.join(map(repr, mesh.axis_names))} (or a tuple of them): the axes the batch's"
       " leading dimension is sharded over."
     )
-  return DataParallel(mesh, axes, param_specs)
+  budget = None
+  if gather_params == "auto":
+    budget = int(memory_budget_bytes or device_memory_budget(mesh, where))
+  return DataParallel(mesh, axes, param_specs, gather_params, budget)
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -114,12 +177,77 @@ def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _names(entry: Any) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 @dataclasses.dataclass(frozen=True)
 class _LeafPlan:
-  spec: P
-  dim: int | None  # the sharded dimension, None for a replicated leaf
-  names: tuple[str, ...]  # the mesh axes that dimension is sharded over
+  """How one params leaf crosses the data axes (the library's) and the others (GSPMD's)."""
+
+  spec: P  # its full PartitionSpec, data and model axes
+  dim: int | None  # the dimension sharded over data axes, None if replicated over them
+  names: tuple[str, ...]  # the data axes that dimension is sharded over
   rest: tuple[str, ...]  # the data axes the leaf is replicated over
+  parts: int = 1  # devices along ``names``
+  model: bool = False  # whether the spec also names non-data (model) axes
+  # Gathered over the data axes by GSPMD before the shard_map (keeping its model sharding:
+  # XLA replicates a manual all-gather's operand over the model axes), summed over them after.
+  outside: bool = False
+
+  @property
+  def manual(self) -> P:
+    """The spec over the data axes only: the leaf's ``shard_map`` out spec."""
+    return P(*[e if d == self.dim else None for d, e in enumerate(self.spec)])
+
+  @property
+  def in_spec(self) -> P:
+    return P() if self.outside else self.manual
+
+  @property
+  def layout(self) -> P:
+    """Where the leaf is placed before the ``shard_map``."""
+    return self.model_spec if self.outside else self.spec
+
+  @property
+  def model_spec(self) -> P:
+    """The spec without its data axes: the leaf's layout once gathered over them."""
+    return P(*[None if d == self.dim else e for d, e in enumerate(self.spec)])
+
+  def _index(self) -> jax.Array:
+    return jax.lax.axis_index(self.names if len(self.names) > 1 else self.names[0])
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    """The full leaf from this device's shard (inside shard_map)."""
+    if self.dim is None:
+      return x
+    if not self.model:
+      return jax.lax.all_gather(x, self.names, axis=self.dim, tiled=True)
+    # XLA's partitioner replicates a manual all-gather's operand over the auto (model) axes
+    # first; a psum of the zero-padded shard keeps the model sharding (twice the bytes).
+    size = x.shape[self.dim]
+    full = list(x.shape)
+    full[self.dim] = size * self.parts
+    padded = jax.lax.dynamic_update_slice_in_dim(
+      jnp.zeros(full, x.dtype), x, self._index() * size, self.dim
+    )
+    return jax.lax.psum(padded, self.names)
+
+  def scatter(self, g: jax.Array) -> jax.Array:
+    """This device's shard of ``g`` summed over ``names`` (a reduce-scatter)."""
+    if not self.model:
+      return jax.lax.psum_scatter(g, self.names, scatter_dimension=self.dim, tiled=True)
+    return self.take(jax.lax.psum(g, self.names))
+
+  def take(self, g: jax.Array) -> jax.Array:
+    """This device's shard of a full, already summed ``g``."""
+    size = g.shape[self.dim] // self.parts
+    return jax.lax.dynamic_slice_in_dim(g, self._index() * size, size, self.dim)
+
+  def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if self.dim is None:
+      return shape
+    return tuple(s // self.parts if d == self.dim else s for d, s in enumerate(shape))
 
 
 def _leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
@@ -136,44 +264,62 @@ def _leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
       "param_specs must be a PartitionSpec, or a pytree prefix of the params with"
       f" PartitionSpec (or None) leaves; params: {jax.tree.structure(params)}. ({e})"
     ) from None
-  specs = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, P))
-  plans = []
-  for (path, x), spec in zip(leaves, specs, strict=True):
-    name = jax.tree_util.keystr(path) or "params"
-    spec = P() if spec is None else spec
-    if not isinstance(spec, P):
-      raise TypeError(f"param_specs for {name} must be a PartitionSpec or None, got {spec!r}.")
-    shape = jnp.shape(x)
-    if len(spec) > len(shape):
-      raise ValueError(f"param_specs for {name} is {spec}, longer than its shape {shape}.")
-    sharded = [(d, e) for d, e in enumerate(spec) if e is not None]
-    if len(sharded) > 1:
+  # One spec per params leaf: flattened up to the params' structure, so a None hole of the
+  # params (an equinox partition) stays a hole and a None spec over a leaf means replicated.
+  specs = jax.tree.structure(params).flatten_up_to(specs)
+  return [
+    _leaf_plan(dp, jax.tree_util.keystr(path) or "params", jnp.shape(x), spec)
+    for (path, x), spec in zip(leaves, specs, strict=True)
+  ]
+
+
+def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -> _LeafPlan:
+  spec = P() if spec is None else spec
+  if not isinstance(spec, P):
+    raise TypeError(f"param_specs for {name} must be a PartitionSpec or None, got {spec!r}.")
+  if len(spec) > len(shape):
+    raise ValueError(f"param_specs for {name} is {spec}, longer than its shape {shape}.")
+  mesh_axes = dp.mesh.axis_names
+  unknown = [n for e in spec for n in _names(e) if n not in mesh_axes]
+  if unknown:
+    raise ValueError(
+      f"param_specs for {name} is {spec}: {', '.join(map(repr, unknown))} is not an axis of"
+      f" the mesh {dict(dp.mesh.shape)}."
+    )
+  data_dims = []
+  for d, entry in enumerate(spec):
+    names = _names(entry)
+    data = [n for n in names if n in dp.axes]
+    if data and len(data) < len(names):
+      model = [n for n in names if n not in dp.axes]
       raise ValueError(
-        f"param_specs for {name} is {spec}: it shards {len(sharded)} dimensions; shard at most"
-        " one dimension of each param (e.g. P('data') for its leading dimension)."
+        f"param_specs for {name} is {spec}: its dimension {d} is split over the data axes"
+        f" {tuple(data)} and the non-data axes {tuple(model)} in one entry. The data axes"
+        " are gathered and reduced by the library, the others are left to GSPMD, so one"
+        " dimension cannot mix them: shard different dimensions, e.g."
+        f" P('{data[0]}', '{model[0]}'), or replicate the param over the data axes."
       )
-    if not sharded:
-      plans.append(_LeafPlan(P(), None, (), dp.axes))
-      continue
-    dim, entry = sharded[0]
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
-    outside = [n for n in names if n not in dp.axes]
-    if outside:
-      raise ValueError(
-        f"param_specs for {name} is {spec}, sharded over {', '.join(map(repr, outside))},"
-        f" which is not a data axis (data_axis={dp.axes}). Params can only be sharded over"
-        " axes the batch is split over; add the axis to data_axis, or replicate the param."
-      )
-    parts = math.prod(dp.mesh.shape[n] for n in names)
-    if shape[dim] % parts:
-      raise ValueError(
-        f"param_specs for {name} is {spec}: its dimension {dim} has size {shape[dim]}, not"
-        f" divisible by the {parts} devices of {names}. Shard another dimension or"
-        " replicate it (P())."
-      )
-    rest = tuple(a for a in dp.axes if a not in names)
-    plans.append(_LeafPlan(spec, dim, names, rest))
-  return plans
+    if data:
+      data_dims.append((d, names))
+  model = any(n not in dp.axes for e in spec for n in _names(e))
+  if len(data_dims) > 1:
+    raise ValueError(
+      f"param_specs for {name} is {spec}: it shards {len(data_dims)} dimensions over the"
+      f" data axes {dp.axes}; shard at most one dimension of each param over them (e.g."
+      " P('data') for its leading dimension)."
+    )
+  if not data_dims:
+    return _LeafPlan(spec, None, (), dp.axes, 1, model)
+  dim, names = data_dims[0]
+  parts = math.prod(dp.mesh.shape[n] for n in names)
+  if shape[dim] % parts:
+    raise ValueError(
+      f"param_specs for {name} is {spec}: its dimension {dim} has size {shape[dim]}, not"
+      f" divisible by the {parts} devices of {names}. Shard another dimension or"
+      " replicate it (P())."
+    )
+  rest = tuple(a for a in dp.axes if a not in names)
+  return _LeafPlan(spec, dim, names, rest, parts, model)
 
 
 def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
@@ -185,6 +331,80 @@ def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
       f" its B / {dp.size} rows into {k} micro-batches. Use a batch size that is a multiple"
       f" of {dp.size * k}."
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PerMicrobatch:
+  """``gather_params="per_microbatch"`` inside the scan (a hook of ``local_sums``): the
+  params come in as shards; each micro-batch gathers them, and its gradient is
+  reduce-scattered into the sharded accumulator (:class:`ScatteredSums`)."""
+
+  plans: tuple[_LeafPlan, ...]
+  axes: tuple[str, ...]
+
+  def gather(self, params: Any, index: jax.Array) -> Any:
+    """The full params for micro-batch ``index`` (tied to it: XLA would otherwise hoist the
+    loop-invariant gathers out of the loop and keep the full params for the whole window)."""
+    params, _ = jax.lax.optimization_barrier((params, index))
+    leaves = [p.gather(x) for x, p in zip(jax.tree.leaves(params), self.plans, strict=True)]
+    return to_varying(jax.tree.structure(params).unflatten(leaves), self.axes)
+
+  def reduce(self, grads: Any) -> Any:
+    leaves = [
+      g if p.dim is None else p.scatter(g)
+      for g, p in zip(jax.tree.leaves(grads), self.plans, strict=True)
+    ]
+    return jax.tree.structure(grads).unflatten(leaves)
+
+  def wrap(self, unit: SumsUnit) -> ScatteredSums:
+    return ScatteredSums(unit, self.reduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatteredSums:
+  """:class:`SumsUnit` whose gradient sums are reduce-scattered every micro-batch.
+
+  The micro-batch's weighted, guarded gradient (``w_i g_i``, 0 for a weight <= 0, in the
+  accumulator's dtype) is reduced before it is added, so each device's weight multiplies its
+  own gradient; the loss, weight and aux sums stay local, as in :class:`SumsUnit`.
+  """
+
+  unit: SumsUnit
+  reduce: Callable[[Any], Any]
+
+  def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
+    return self.unit.init(acc_init, loss_like, aux_like)
+
+  def update(self, s: Sums, m: Micro) -> Sums:
+    rest = self.unit.update(s._replace(grads=()), m._replace(grads=()))
+    zeros = jax.tree.map(lambda g, a: jnp.zeros(jnp.shape(g), a.dtype), m.grads, s.grads)
+    weighted = self.unit.weighting.add(zeros, m.grads, m.weight)
+    return rest._replace(grads=jax.tree.map(jnp.add, s.grads, self.reduce(weighted)))
+
+
+def reduce_over_data(
+  plans: list[_LeafPlan], grads: list[jax.Array], extra: Any, axes: tuple[str, ...], scattered: bool
+) -> tuple[list[jax.Array], Any]:
+  """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes.
+
+  One ``psum`` (one tuple all-reduce) of ``extra`` and of the gradients of params replicated
+  over the data axes, and of data-and-model-sharded ones (then each device keeps its shard);
+  one reduce-scatter per param sharded over data axes only. ``scattered``: the sharded
+  gradients were reduced over their data axes in the loop already (``"per_microbatch"``);
+  they are summed over the data axes they are replicated over.
+  """
+  whole = [p.dim is None or (p.model and not scattered) for p in plans]
+  summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
+  it = iter(summed)
+  out = []
+  for g, p, w in zip(grads, plans, whole, strict=True):
+    if w:
+      g = next(it)
+      out.append(g if p.dim is None else p.take(g))
+      continue
+    g = g if scattered else p.scatter(g)
+    out.append(jax.lax.psum(g, p.rest) if p.rest else g)
+  return out, extra
 
 
 def over_mesh(
@@ -202,66 +422,81 @@ def over_mesh(
 ) -> Any:
   """Runs ``local_sums`` on every device's rows under ``shard_map``, then reduces once.
 
-  ``local_sums(params, batch, rng, acc0, model_state, scale, num_real, vary_axes)`` is the
-  single-device scan (it returns a ``Window``); it runs with the params gathered once and
-  cast to device-varying, so its loop body has no collective. After it: one ``psum`` of
-  everything additive (the gradients of replicated params, :class:`Sums` and
-  :class:`NoiseSums`), one ``psum_scatter`` per sharded param, float model-state leaves
-  averaged and integer ones maxed where they differ between devices. Returns the
-  ``Window`` of the whole global batch, its gradients added to ``acc_init``.
+  ``local_sums(params, batch, rng, acc0, model_state, scale, num_real, vary_axes,
+  per_micro=None)`` is the single-device scan (it returns a ``Window``); its params are cast
+  to device-varying, so its loop body has no collective (but the gathers and
+  reduce-scatters of ``per_micro``, with ``gather_params="per_microbatch"``). After it: one
+  ``psum`` of everything additive (the gradients of params replicated over the data axes,
+  :class:`Sums` and :class:`NoiseSums`), the data-sharded gradients reduce-scattered (once)
+  or summed over the data axes they are replicated over (per micro-batch), float
+  model-state leaves averaged and integer ones maxed where they differ between devices.
+  Returns the ``Window`` of the whole global batch, its gradients added to ``acc_init``.
   """
+  if dp.gather not in ("once", "per_microbatch"):
+    raise ValueError(
+      f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
+      " Linen/NNX steps); here pass 'once' or 'per_microbatch'."
+    )
   _check_global_batch(batch, dp, k)
   axes, mesh = dp.axes, dp.mesh
-  plans = _leaf_plans(dp, params)
+  per_mb = dp.gather == "per_microbatch"
+  plans = [
+    dataclasses.replace(p, outside=p.dim is not None and p.model and not per_mb)
+    for p in _leaf_plans(dp, params)
+  ]
   treedef = jax.tree.structure(params)
-  param_specs = treedef.unflatten([p.spec for p in plans])
+  in_specs = treedef.unflatten([p.in_spec for p in plans])
+  out_specs = treedef.unflatten([p.manual for p in plans])
   acc_like = [
-    jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(acc_init)
+    jax.ShapeDtypeStruct(
+      p.local_shape(jnp.shape(a)) if per_mb else jnp.shape(a), jnp.result_type(a)
+    )
+    for a, p in zip(jax.tree.leaves(acc_init), plans, strict=True)
   ]
   static = {}
 
   def per_device(params, batch, rng, model_state, scale, num_real):
-    leaves = [
-      x if p.dim is None else jax.lax.all_gather(x, p.names, axis=p.dim, tiled=True)
-      for x, p in zip(jax.tree.leaves(params), plans, strict=True)
-    ]
-    full = treedef.unflatten(leaves)  # gathered once, before the scan
+    leaves = jax.tree.leaves(params)
+    if not per_mb:  # gathered once, before the scan
+      leaves = [x if p.outside else p.gather(x) for x, p in zip(leaves, plans, strict=True)]
     if rng is not None:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
     acc0 = treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in acc_like])
-    w = local_sums(full, batch, rng, acc0, model_state, scale, num_real, axes)
+    hook = PerMicrobatch(tuple(plans), axes) if per_mb else None
+    w = local_sums(
+      treedef.unflatten(leaves), batch, rng, acc0, model_state, scale, num_real, axes,
+      per_micro=hook,
+    )  # fmt: skip
     static["window"] = w
-    grads = jax.tree.leaves(w.sums.grads)
-    # One psum for everything additive and replicated: XLA emits one (tuple) all-reduce.
-    replicated = [g for g, p in zip(grads, plans, strict=True) if p.dim is None]
-    replicated, sums, noise = jax.lax.psum((replicated, w.sums._replace(grads=()), w.noise), axes)
-    it = iter(replicated)
-    out = []
-    for g, p in zip(grads, plans, strict=True):
-      if p.dim is None:
-        out.append(next(it))
-        continue
-      g = jax.lax.psum_scatter(g, p.names, scatter_dimension=p.dim, tiled=True)
-      out.append(jax.lax.psum(g, p.rest) if p.rest else g)
+    grads, (sums, noise) = reduce_over_data(
+      plans, jax.tree.leaves(w.sums.grads), (w.sums._replace(grads=()), w.noise), axes, per_mb
+    )
     sums, noise = weighting.per_device(
-      sums._replace(grads=treedef.unflatten(out)), noise, dp.size, w.num
+      sums._replace(grads=treedef.unflatten(grads)), noise, dp.size, w.num
     )
     return sums, noise, _reduce_state(w.model_state, axes)
 
   batch_spec = dp.batch_spec
   args = (params, batch, rng, model_state, scale, num_real)
-  if any(t == AxisType.Explicit for t in mesh.axis_types):
+  explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+  if explicit or any(p.outside for p in plans):
     # On an explicit mesh shard_map wants its inputs already laid out as in_specs.
+    params = treedef.unflatten(
+      [_place(x, mesh, p.layout) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
+    )
+    args = (params, *args[1:])
+  if explicit:
     args = (
-      jax.tree.map(lambda x, s: _place(x, mesh, s), params, param_specs),
+      params,
       jax.tree.map(lambda x: _place(x, mesh, batch_spec), batch),
       *(jax.tree.map(lambda x: _place(x, mesh, P()), a) for a in args[2:]),
     )
   reduce = jax.shard_map(
     per_device,
     mesh=mesh,
-    in_specs=(param_specs, batch_spec, P(), P(), P(), P()),
-    out_specs=(Sums(param_specs, P(), P(), P()), P(), P()),
+    in_specs=(in_specs, batch_spec, P(), P(), P(), P()),
+    out_specs=(Sums(out_specs, P(), P(), P()), P(), P()),
+    axis_names=set(axes),
   )
   sums, noise, new_state = reduce(*args)
   grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_init, sums.grads)
@@ -301,3 +536,68 @@ def place_params(dp: DataParallel | None, tree: Any) -> Any:
   specs = [p.spec for p in _leaf_plans(dp, tree)]
   leaves = [_place(x, dp.mesh, s) for x, s in zip(jax.tree.leaves(tree), specs, strict=True)]
   return jax.tree.structure(tree).unflatten(leaves)
+
+
+def compiled_bytes(analysis: Any) -> int:
+  """Per-device bytes of a compiled program: temp + arguments + outputs - aliased outputs."""
+  return int(
+    analysis.temp_size_in_bytes
+    + analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    - analysis.alias_size_in_bytes
+  )
+
+
+class AutoGatherStep:
+  """A jitted step with ``gather_params="auto"``: for each new signature of its arguments
+  (shapes, dtypes, shardings), both policies are lowered and compiled (nothing runs) and the
+  step runs ``"once"`` if its compiled memory fits the budget, else ``"per_microbatch"``.
+
+  ``chosen_gather_params(*args)`` tells which (compiling if needed, not running);
+  ``gather_params_bytes(*args)`` gives the per-device bytes of each (``temp + arguments +
+  outputs - aliased``, from ``compiled.memory_analysis()``).
+  """
+
+  def __init__(self, steps: dict[str, Any], budget: int):
+    self._steps, self.budget = steps, budget
+    self._bytes: dict[Any, dict[str, int]] = {}
+
+  @staticmethod
+  def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    return treedef, tuple(
+      (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
+    )
+
+  def gather_params_bytes(self, *args: Any, **kwargs: Any) -> dict[str, int]:
+    """``{"once": bytes, "per_microbatch": bytes}`` per device for these arguments."""
+    key = self._key(args, kwargs)
+    if key not in self._bytes:
+      lower_kwargs = dict(kwargs)
+      if lower_kwargs.get("num_real_microbatches") is not None:
+        lower_kwargs["num_real_microbatches"] = jnp.asarray(
+          lower_kwargs["num_real_microbatches"], jnp.int32
+        )
+      found = {}
+      for gather, step in self._steps.items():
+        analysis = step.lower(*args, **lower_kwargs).compile().memory_analysis()
+        if analysis is None:
+          raise RuntimeError(
+            f"The {jax.default_backend()} backend returns no compiled.memory_analysis(), so"
+            " gather_params='auto' cannot compare the policies; pass 'once' or"
+            " 'per_microbatch'."
+          )
+        found[gather] = compiled_bytes(analysis)
+      self._bytes[key] = found
+    return self._bytes[key]
+
+  def chosen_gather_params(self, *args: Any, **kwargs: Any) -> str:
+    """``"once"`` if its compiled memory fits the budget, else ``"per_microbatch"``."""
+    return (
+      "once"
+      if self.gather_params_bytes(*args, **kwargs)["once"] <= self.budget
+      else ("per_microbatch")
+    )
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._steps[self.chosen_gather_params(*args, **kwargs)](*args, **kwargs)

@@ -22,7 +22,7 @@ from gradaccum_jax._checks import check_real_microbatches, check_same_structure,
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import NoiseSums
-from gradaccum_jax._sharding import place_params
+from gradaccum_jax._sharding import AutoGatherStep, place_params
 
 
 def train_step(
@@ -40,6 +40,8 @@ def train_step(
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -82,7 +84,24 @@ def train_step(
     param_specs: with ``mesh``, the params' layout: ``None`` (replicated) or
       a ``PartitionSpec`` / pytree prefix of the params with ``PartitionSpec``
       leaves sharding at most one dimension of each param over data axes
-      (FSDP/ZeRO style, e.g. ``P("data")`` on the leading dimension).
+      (FSDP/ZeRO style, e.g. ``P("data")`` on the leading dimension). Other
+      mesh axes (tensor parallelism, e.g. ``P(None, "model")`` or
+      ``P("data", "model")`` on a ``("data", "model")`` mesh) are left to
+      GSPMD inside ``loss_fn``; one dimension cannot mix data and model axes.
+    gather_params: with ``param_specs``, how params sharded over data axes
+      are gathered: ``"once"`` (default: gathered before the scan and kept
+      for the window, a full-size local accumulator, the gradients
+      reduce-scattered once after it), ``"per_microbatch"`` (kept sharded:
+      every micro-batch gathers them and reduce-scatters its gradient into a
+      sharded accumulator; ``1/D`` params and accumulator memory during the
+      window for ``k`` times the communication) or ``"auto"`` (both are
+      compiled, nothing runs, and ``"once"`` is used if its compiled memory
+      per device fits ``memory_budget_bytes``, else ``"per_microbatch"``; the
+      step then has ``step.chosen_gather_params(*args)`` and
+      ``step.gather_params_bytes(*args)``). Needs ``mesh``.
+    memory_budget_bytes: the per-device budget of ``gather_params="auto"``;
+      by default the device's ``memory_stats()["bytes_limit"]`` (as
+      :func:`auto_microbatch` reads it), which CPU devices do not report.
 
   Data parallelism: with ``mesh``, the scan runs under ``jax.shard_map``. Each
   device splits its own ``B / D`` rows (``D`` devices on ``data_axis``) into
@@ -132,7 +151,24 @@ def train_step(
     ZeRO-3/FSDP full sharding re-gathers the params for every forward and
     backward pass (``2k`` all-gathers, ``1/D`` params memory). The trade here
     is full-size params and accumulator during the window for ``k`` times
-    less communication.
+    less communication (``gather_params="once"``).
+  - ``gather_params="per_microbatch"``: params, optimizer state and the
+    local accumulator stay ``1/D`` per device through the window; every
+    micro-batch all-gathers the params inside the loop and reduce-scatters
+    its gradient into the sharded accumulator: ``k`` times ``P`` gathered
+    and ``P`` reduce-scattered per window (FSDP full sharding, ZeRO-3), for
+    a peak of the sharded state, one micro-batch's activations and the
+    gathered params of one micro-batch. ``"auto"`` compiles both and keeps
+    ``"once"`` when it fits the budget.
+  - model axes (tensor parallelism): the ``shard_map`` is manual over the
+    data axes only, so a param sharded ``P(None, "model")`` stays sharded
+    over ``"model"`` inside ``loss_fn`` (GSPMD), and its gradient is
+    all-reduced over the data axes once per window. A param sharded over
+    both (``P("data", "model")``) is gathered over the data axes by GSPMD
+    before the scan (``"once"``) or by a ``psum`` of its padded shard per
+    micro-batch, and its gradient all-reduced over them and sliced (XLA's
+    partitioner would replicate it over ``"model"`` for a manual all-gather
+    or reduce-scatter): twice the bytes of a reduce-scatter.
 
   Make the state with ``tx.init`` on the params already placed with their
   sharding (its ``zeros_like`` keeps it), or ``jax.device_put`` it; the new
@@ -203,7 +239,18 @@ def train_step(
     mesh=mesh,
     data_axis=data_axis,
     param_specs=param_specs,
+    gather_params=gather_params,
+    memory_budget_bytes=memory_budget_bytes,
   )
+  if gather_params == "auto":
+    if not jit:
+      raise ValueError("train_step: gather_params='auto' compiles the step, so it needs jit=True.")
+    steps = {
+      g: wrap_step(fused_step(opts.with_gather(g), acc), has_state=opts.has_state, donate=donate,
+                   jit=True, k=lambda args: k)
+      for g in ("once", "per_microbatch")
+    }  # fmt: skip
+    return AutoGatherStep(steps, opts.parallel.budget)
   fused = fused_step(opts, acc)
   return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=jit, k=lambda args: k)
 

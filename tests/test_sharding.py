@@ -520,8 +520,8 @@ def test_param_specs_that_do_not_fit_the_params():
   params = init_mlp(jax.random.key(0), SIZES)
   batch = data(16)
   cases = [
-    (P("model"), r"sharded over 'model', which is not a data axis"),
-    ({"layer0": {"w": P("data", "model"), "b": P()}, "layer1": P()}, r"shards 2 dimensions"),
+    ({"layer0": {"w": P(("data", "model")), "b": P()}, "layer1": P()}, r"data and model|split"),
+    ({"layer0": {"w": P("data", "data"), "b": P()}, "layer1": P()}, r"shards 2 dimensions"),
     ({"layer0": P(), "layer1": {"w": P(None, None, "data"), "b": P()}}, r"longer than its shape"),
   ]
   for specs, message in cases:

@@ -1,0 +1,334 @@
+"""FSDP gather policies (once, per micro-batch, auto) and tensor-parallel meshes, on 8 CPU devices."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, init_mlp, xent_loss
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put, shapes_of
+
+import gradaccum_jax as ga
+
+# --- reading the compiled HLO: collectives, where they run, over which devices ----------------
+
+_OP = re.compile(
+  r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all"
+  r"|collective-permute)(?:-start)?\("
+)
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+_CALLED = re.compile(
+  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+  r"|branch_computations=\{([^}]*)\}"
+)
+
+
+def computations(hlo_text):
+  comps, current = {}, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and line.rstrip().endswith("{"):
+      current = comps.setdefault(header.group(1), [])
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  return comps
+
+
+def reachable(comps, roots):
+  """The computations ``roots`` are or call, transitively."""
+  seen, stack = set(), list(roots)
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      for one, many in _CALLED.findall(line):
+        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
+  return seen
+
+
+def loop_bodies(comps):
+  return reachable(
+    comps,
+    [
+      name
+      for lines in comps.values()
+      for line in lines
+      if re.search(r"\swhile\(", line)
+      for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
+    ],
+  )
+
+
+def _iota(text):
+  """'[4,2]T(1,0)' or '[8]' -> the device ids of an iota list."""
+  m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  dims = [int(d) for d in m.group(1).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(2):
+    ids = ids.transpose([int(d) for d in m.group(2).split(",")])
+  return ids.reshape(-1)
+
+
+def replica_groups(line):
+  """The device groups of a collective's HLO line, whatever notation XLA printed."""
+  m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+  if m:
+    return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", line)
+  if m:
+    return _iota(m.group(3)).reshape(int(m.group(1)), int(m.group(2))).tolist()
+  m = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?"
+    r" \{([^}]*)\}",
+    line,
+  )
+  assert m, line
+  axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+  shape = [int(n) for _, n in axes]
+  ids = (_iota(m.group(2)) if m.group(2) else np.arange(int(np.prod(shape)))).reshape(shape)
+  over = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m.group(3)]
+  keep = [i for i in range(len(shape)) if i not in over]
+  ids = ids.transpose(keep + over).reshape(-1, int(np.prod([shape[i] for i in over])))
+  return ids.tolist()
+
+
+def collectives_with_groups(hlo_text, mesh, data_axes=("data",)):
+  """(op, result shapes, in a loop body, whether its groups span the data axes) per collective."""
+  comps = computations(hlo_text)
+  in_loop = loop_bodies(comps)
+  coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T
+  data_dims = [mesh.axis_names.index(a) for a in data_axes]
+  found = []
+  for name, lines in comps.items():
+    for line in lines:
+      m = _OP.match(line)
+      if not m:
+        continue
+      groups = replica_groups(line)
+      spans = any(len({tuple(coords[d][data_dims]) for d in g}) > 1 for g in groups)
+      found.append((m.group(2), shapes_of(m.group(1)), name in in_loop, spans))
+  return found
+
+
+# --- gather_params on FSDP params: equal to one device -----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gather", ["per_microbatch", "auto"])
+def test_fsdp_gather_policies_match_the_big_batch_step(gather):
+  mesh, k = mesh_1d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batches = [data(D * k * 2, key) for key in ((1, 2) if gather == "per_microbatch" else (1,))]
+  inner = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+  expected, expected_loss = plain_steps(xent_loss, inner, params, batches)
+
+  tx = ga.accumulate(inner, k)
+  budget = {"auto": {"memory_budget_bytes": 1}}.get(gather, {})  # nothing fits: per micro-batch
+  step = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params=gather, **budget)
+  p = put(params, mesh, FSDP)
+  state = tx.init(p)
+  for batch in batches:
+    args = (p, state, put(batch, mesh, P("data")))
+    if gather == "auto":
+      assert step.chosen_gather_params(*args) == "per_microbatch"
+      found = step.gather_params_bytes(*args)
+      assert set(found) == {"once", "per_microbatch"} and min(found.values()) > 1
+    p, state, metrics = step(*args)
+  assert_trees_close(p, expected)
+  np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+  for tree in (p, state.acc_grads, state.inner_state[1][0].mu):
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(FSDP), strict=True):
+      assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
+
+
+def test_auto_runs_once_when_it_fits_the_budget():
+  mesh, k = mesh_1d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  tx = ga.accumulate(optax.sgd(0.1), k)
+  step = ga.train_step(
+    xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params="auto", memory_budget_bytes=2**40
+  )
+  p = put(params, mesh, FSDP)
+  args = (p, tx.init(p), put(data(D * k), mesh, P("data")))
+  assert step.chosen_gather_params(*args) == "once"
+  assert step.budget == 2**40
+
+
+def test_value_and_grad_per_microbatch_matches_jax_value_and_grad():
+  mesh, k = mesh_1d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(D * k * 2)
+  vg = ga.value_and_grad(xent_loss, k, mesh=mesh, param_specs=FSDP, gather_params="per_microbatch")
+  loss, grads = jax.jit(vg)(put(params, mesh, FSDP), put(batch, mesh, P("data")))
+  ref_loss, ref_grads = jax.value_and_grad(xent_loss)(params, batch)
+  assert_trees_close(grads, ref_grads)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
+# --- compiled evidence: where the collectives run, and the memory -----------------------------
+
+
+@pytest.mark.slow
+def test_per_microbatch_gathers_and_reduce_scatters_inside_the_loop():
+  mesh, k = mesh_1d(), 4
+  params = init_mlp(jax.random.key(0), SIZES)
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  step = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params="per_microbatch")
+  p = put(params, mesh, FSDP)
+  hlo = step.lower(p, tx.init(p), put(data(D * k), mesh, P("data"))).compile().as_text()
+  found = collectives_with_groups(hlo, mesh)
+  in_loop = sorted((op, s) for op, shapes, loop, _ in found if loop for s in shapes)
+  full = sorted(tuple(x.shape) for x in jax.tree.leaves(params))
+  shards = sorted(tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(p))
+  # Each micro-batch gathers every param and reduce-scatters its gradient: nothing else.
+  assert in_loop == sorted(
+    [("all-gather", s) for s in full] + [("reduce-scatter", s) for s in shards]
+  )
+  # After the loop only scalars are all-reduced (loss sum, the norm for clipping, finiteness).
+  assert all(s == () for op, shapes, loop, _ in found if not loop for s in shapes), found
+
+
+def wide_mlp_step(gather, k, sizes=(512, 1024, 1024, 512)):
+  """A params-dominated MLP (8 MiB of float32 params, 2 rows per device per micro-batch),
+  compiled on abstract shapes with every leaf sharded over the 8 devices."""
+  mesh = mesh_1d()
+  sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+  specs = {f"layer{i}": {"w": P("data"), "b": P("data")} for i in range(len(sizes) - 1)}
+  params = {
+    f"layer{i}": {
+      "w": jax.ShapeDtypeStruct((m, n), jnp.float32, sharding=sharding(P("data"))),
+      "b": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding(P("data"))),
+    }
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
+  }
+
+  def loss_fn(p, mb):
+    x = mb["x"]
+    for i in range(len(sizes) - 1):
+      x = x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"]
+      x = jnp.tanh(x) if i < len(sizes) - 2 else x
+    return jnp.mean(x**2)
+
+  tx = ga.accumulate(optax.sgd(0.1), k)
+  state = jax.eval_shape(tx.init, params)
+  state = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(P())), state
+  )._replace(acc_grads=params)
+  batch = {
+    "x": jax.ShapeDtypeStruct((D * k * 2, sizes[0]), jnp.float32, sharding=sharding(P("data")))
+  }
+  step = ga.train_step(loss_fn, tx, mesh=mesh, param_specs=specs, gather_params=gather)
+  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+  return step.lower(params, state, batch).compile(), param_bytes
+
+
+def test_per_microbatch_needs_less_temp_memory_than_once_for_a_params_dominated_model():
+  temp = {}
+  for gather in ("once", "per_microbatch"):
+    compiled, param_bytes = wide_mlp_step(gather, k=4)
+    temp[gather] = compiled.memory_analysis().temp_size_in_bytes
+  # Once: the gathered params and a full-size local accumulator for the whole window.
+  # Per micro-batch: the gathered params of one micro-batch and a 1/8 accumulator.
+  assert temp["once"] - temp["per_microbatch"] >= param_bytes / 2, (temp, param_bytes)
+  assert temp["once"] >= param_bytes  # XLA:CPU really reports temp memory at this size
+
+
+# --- tensor parallelism: params sharded over a model axis, left to GSPMD ----------------------
+
+TP = {"layer0": {"w": P(None, "model"), "b": P("model")}, "layer1": {"w": P("model"), "b": P()}}
+FSDP_TP = {
+  "layer0": {"w": P("data", "model"), "b": P("model")},
+  "layer1": {"w": P("model", "data"), "b": P("data")},
+}
+
+
+def mesh_2d():
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "specs,gather",
+  [(TP, "once"), (FSDP_TP, "once"), (FSDP_TP, "per_microbatch")],
+  ids=["tp", "fsdp_tp_once", "fsdp_tp_per_microbatch"],
+)
+def test_tensor_parallel_params_match_the_big_batch_step(specs, gather):
+  mesh, k = mesh_2d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(4 * k * 2)
+  inner = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+  expected, expected_loss = plain_steps(xent_loss, inner, params, [batch])
+  tx = ga.accumulate(inner, k)
+  step = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=specs, gather_params=gather)
+  p = put(params, mesh, specs)
+  args = (p, tx.init(p), put(batch, mesh, P("data")))
+  found = collectives_with_groups(step.lower(*args).compile().as_text(), mesh)
+  over_data_in_loop = [c for c in found if c[2] and c[3]]
+  if gather == "once":  # the loop only talks over "model" (the activations of the TP layers)
+    assert not over_data_in_loop, found
+  else:  # per micro-batch: the data-sharded params are gathered, their gradients reduced
+    assert over_data_in_loop and not [c for c in over_data_in_loop if c[0] == "all-to-all"]
+  p, state, metrics = step(*args)
+  assert_trees_close(p, expected)
+  np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+  for leaf, spec in zip(jax.tree.leaves(p), jax.tree.leaves(specs), strict=True):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_a_dimension_split_over_data_and_model_axes_names_the_leaf():
+  mesh = mesh_2d()
+  params = init_mlp(jax.random.key(0), SIZES)
+  specs = {"layer0": {"w": P(("data", "model")), "b": P()}, "layer1": P()}
+  vg = ga.value_and_grad(xent_loss, 2, mesh=mesh, param_specs=specs)
+  with pytest.raises(ValueError, match=r"\['layer0'\]\['w'\].*dimension 0 is split over the data"):
+    vg(params, data(16))
+
+
+@pytest.mark.parametrize(
+  "specs,message",
+  [
+    (P("replica"), r"'replica' is not an axis of the mesh"),
+    ({"layer0": {"w": P("data", "data"), "b": P()}, "layer1": P()}, r"shards 2 dimensions over"),
+  ],
+)
+def test_param_specs_naming_unknown_axes_or_two_data_dimensions(specs, message):
+  vg = ga.value_and_grad(xent_loss, 2, mesh=mesh_2d(), param_specs=specs)
+  with pytest.raises(ValueError, match=message):
+    vg(init_mlp(jax.random.key(0), SIZES), data(16))
+
+
+def test_bad_gather_params_and_budget():
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  mesh = mesh_1d()
+  with pytest.raises(ValueError, match=r"gather_params='sometimes' must be one of 'once'"):
+    ga.train_step(xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params="sometimes")
+  with pytest.raises(ValueError, match=r"gather_params= needs mesh="):
+    ga.train_step(xent_loss, tx, gather_params="per_microbatch")
+  with pytest.raises(
+    ValueError, match=r"memory_budget_bytes= is the budget of gather_params='auto'"
+  ):
+    ga.train_step(xent_loss, tx, mesh=mesh, memory_budget_bytes=2**30)
+  with pytest.raises(ValueError, match=r"reports no memory limit .* Pass memory_budget_bytes="):
+    ga.train_step(xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params="auto")
+  with pytest.raises(ValueError, match=r"needs jit=True"):
+    ga.train_step(xent_loss, tx, mesh=mesh, gather_params="auto", memory_budget_bytes=1, jit=False)
+  with pytest.raises(ValueError, match=r"value_and_grad: gather_params='auto'"):
+    ga.value_and_grad(xent_loss, 2, mesh=mesh, gather_params="auto")
+
+
+def test_a_two_axis_mesh_without_a_data_axis_names_its_axes():
+  mesh = jax.make_mesh((4, 2), ("batch", "model"))
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  with pytest.raises(ValueError, match=r"data_axis='data'.*\{'batch': 4, 'model': 2\}"):
+    ga.train_step(xent_loss, tx, mesh=mesh, param_specs=TP)
