@@ -182,6 +182,7 @@ def test_has_aux():
   assert ga.check_equivalence(loss_aux, params, batch, 4, has_aux=True).ok
 
 
+@pytest.mark.slow
 def test_too_few_parameters_to_tell():
   def loss_fn(w, batch):  # 2 parameters, k = 4: any 4 micro-batches fit 3 numbers
     err = (batch["x"] * w[0] + w[1] - batch["y"]) ** 2

@@ -143,6 +143,7 @@ def test_streaming_with_filter_grad_and_filter_jit_matches_big_batch_adam():
   assert_static_fields_kept(trained, model)
 
 
+@pytest.mark.slow
 def test_data_parallel_on_a_mesh_matches_big_batch_adam():
   """The filtered params (with None holes) on 8 devices: replicated, then FSDP param_specs."""
   from jax.sharding import AxisType, NamedSharding

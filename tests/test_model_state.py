@@ -100,6 +100,7 @@ def test_per_window_uses_the_pooled_statistics_of_the_whole_batch(setup):
     assert_trees_close(mean_of_vars, new_state["bn"]["var"])
 
 
+@pytest.mark.slow
 def test_frozen_leaves_the_statistics(setup):
   params, state, batch = setup
   _, ref_grads, _ = hand_loop(params, state, batch, thread_bn=False)

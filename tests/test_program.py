@@ -155,6 +155,7 @@ def test_donation_runs_and_matches():
   assert_trees_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_unjitted_step_composes_with_user_jit():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)
