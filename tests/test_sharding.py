@@ -232,6 +232,7 @@ def test_model_state_float_leaves_are_averaged_over_devices_and_integer_leaves_k
   assert int(new_state["steps"]) == k
 
 
+@pytest.mark.slow
 def test_rng_is_folded_with_the_device_then_the_microbatch():
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
@@ -389,6 +390,7 @@ def naive_window(params, batch, k):
   return jax.tree.map(lambda a: a / k, acc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_naive_jit_of_a_scan_reduces_inside_the_loop(kind):
   """The check above can fail: GSPMD all-reduces the gradient once per micro-batch."""
