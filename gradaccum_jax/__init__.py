@@ -18,6 +18,7 @@ from gradaccum_jax._check import check_equivalence as check_equivalence
 from gradaccum_jax._flax import linen_train_step as linen_train_step
 from gradaccum_jax._lr import scale_adam_hyperparams as scale_adam_hyperparams
 from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate
+from gradaccum_jax._micro_step import micro_step as micro_step
 from gradaccum_jax._microbatch import microbatch as microbatch
 from gradaccum_jax._microbatch import value_and_grad as value_and_grad
 from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
@@ -42,6 +43,7 @@ __all__ = (
   "check_equivalence",
   "has_updated",
   "linen_train_step",
+  "micro_step",
   "microbatch",
   "nnx_train_step",
   "ramp_train_step",

@@ -149,6 +149,7 @@ def test_fsdp_gather_policies_match_the_big_batch_step(gather):
       assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.slow
 def test_auto_runs_once_when_it_fits_the_budget():
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
@@ -162,6 +163,7 @@ def test_auto_runs_once_when_it_fits_the_budget():
   assert step.budget == 2**40
 
 
+@pytest.mark.slow
 def test_value_and_grad_per_microbatch_matches_jax_value_and_grad():
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
@@ -230,6 +232,7 @@ def wide_mlp_step(gather, k, sizes=(512, 1024, 1024, 512)):
   return step.lower(params, state, batch).compile(), param_bytes
 
 
+@pytest.mark.slow
 def test_per_microbatch_needs_less_temp_memory_than_once_for_a_params_dominated_model():
   temp = {}
   for gather in ("once", "per_microbatch"):

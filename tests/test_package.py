@@ -25,6 +25,7 @@ def test_public_names_are_reexported():
       "flush",
       "has_updated",
       "linen_train_step",
+      "micro_step",
       "microbatch",
       "nnx_train_step",
       "ramp_train_step",

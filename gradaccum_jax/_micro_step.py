@@ -1,0 +1,530 @@
+"""Streaming accumulation: one jitted call per micro-batch, one reduction per window."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax._accumulate import MEAN_GRADIENT, Accumulate, AccumulateState, as_accumulate
+from gradaccum_jax._checks import check_batch, is_inexact
+from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
+from gradaccum_jax._options import Options, make_options
+from gradaccum_jax._parts import NoiseSums, Sums, sum_dtype
+from gradaccum_jax._sharding import (
+  DataParallel,
+  _leaf_plans,
+  _place,
+  _reduce_state,
+  place_params,
+  reduce_over_data,
+)
+
+
+class MicroStepState(NamedTuple):
+  """State of a :func:`micro_step`: the accumulation state and the open window's loss sums.
+
+  Attributes:
+    accumulate: the :class:`AccumulateState` of ``tx``, as ``tx.init(params)``
+      makes it, except with a mesh: its ``acc_grads`` leaves, ``acc_weight``
+      and (with the noise scale) the open-window sums ``sq_sum``, ``num`` and
+      ``examples`` of ``noise_scale`` have a leading axis of length ``D``,
+      the devices on the data axes, sharded over them: slot ``d`` holds device
+      ``d``'s partial sums, and the window's sums are their total.
+    loss_sum: :math:`\\sum_i w_i L_i` over the open window (float32; shape ``(D,)``
+      with a mesh).
+    aux_sum: with ``has_aux``, the open window's aux sums (float leaves
+      weighted, integer leaves counted; a leading ``D`` axis with a mesh);
+      else None.
+  """
+
+  accumulate: AccumulateState
+  loss_sum: jax.Array
+  aux_sum: Any
+
+
+_REPLICATED = P()
+
+
+class _Layout:
+  """Where the partial sums live: one slot per data-parallel device with a mesh, else none."""
+
+  def __init__(self, dp: DataParallel | None):
+    self.dp = dp
+    self.devices = 1 if dp is None else dp.size
+
+  def spec(self, like_spec: P = _REPLICATED) -> P:
+    """The spec of a per-device leaf: the device axis over the data axes, then ``like_spec``."""
+    return P(self.dp.batch_spec[0], *like_spec)
+
+  def grad_specs(self, params: Any) -> Any:
+    plans = _leaf_plans(self.dp, params)
+    return jax.tree.structure(params).unflatten([self.spec(p.model_spec) for p in plans])
+
+  def zeros(self, shape: tuple[int, ...], dtype: Any, spec: P = _REPLICATED) -> jax.Array:
+    """Zeros of ``shape`` (after one slot per device with a mesh)."""
+    if self.dp is None:
+      return jnp.zeros(shape, dtype)
+    sharding = NamedSharding(self.dp.mesh, self.spec(spec))
+    return jnp.zeros((self.devices, *shape), dtype, device=sharding)
+
+  def total(self, x: jax.Array, per_device: bool) -> jax.Array:
+    """The sum over the device slots of ``x`` (``x`` itself without them)."""
+    return jnp.sum(x, axis=0) if per_device else x
+
+
+def _partials(state: MicroStepState) -> tuple[Sums, Any]:
+  acc = state.accumulate
+  ns = acc.noise_scale
+  noise = () if ns is None else NoiseSums(ns.sq_sum, ns.num, ns.examples)
+  return Sums(acc.acc_grads, acc.acc_weight, state.loss_sum, state.aux_sum), noise
+
+
+def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepState:
+  acc = state.accumulate._replace(acc_grads=sums.grads, acc_weight=sums.weight)
+  if isinstance(noise, NoiseSums):
+    acc = acc._replace(
+      noise_scale=acc.noise_scale._replace(
+        sq_sum=noise.sq_sum, num=noise.num, examples=noise.examples
+      )
+    )
+  return MicroStepState(acc, sums.loss, sums.aux)
+
+
+def _add(a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+
+class MicroStep:
+  """What :func:`micro_step` returns: call it once per micro-batch; ``init`` makes its state.
+
+  Attributes: ``tx`` (the :func:`accumulate` transformation), ``mesh``,
+  ``data_axis`` and ``has_state``.
+  """
+
+  def __init__(self, opts: Options, tx: Accumulate, *, donate: bool, jit: bool):
+    self.tx, self._opts, self._acc = tx, opts, tx.settings
+    dp = opts.parallel
+    self._layout = _Layout(dp)
+    self.mesh = None if dp is None else dp.mesh
+    self.data_axis = None if dp is None else dp.axes
+    self.has_state = opts.has_state
+    self._mg = MicrobatchedGrad(opts, 1, noise_scale=self._acc.noise_scale_ema is not None)
+    donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
+    fn = self._call_with_state if self.has_state else self._call
+    self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
+
+  # --- state ------------------------------------------------------------------------------
+
+  def init(
+    self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
+  ) -> MicroStepState:
+    """The empty state for ``params`` (placed as the step expects them, with a mesh).
+
+    ``microbatch`` (arrays or ``jax.ShapeDtypeStruct`` leaves; with ``has_state``,
+    ``model_state`` too, and ``rng`` if ``loss_fn`` takes one) is needed with ``has_aux``
+    only: the shapes of the aux sums come from ``loss_fn``'s output on it.
+    """
+    lay = self._layout
+    acc = self._acc.init(params)
+    if lay.dp is not None:
+      specs = jax.tree.leaves(lay.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
+      grads = [
+        lay.zeros(a.shape, a.dtype, P(*s[1:]))
+        for a, s in zip(jax.tree.leaves(acc.acc_grads), specs, strict=True)
+      ]
+      acc = acc._replace(
+        acc_grads=jax.tree.structure(acc.acc_grads).unflatten(grads),
+        acc_weight=lay.zeros((), jnp.float32),
+      )
+      if acc.noise_scale is not None:
+        zero = lay.zeros((), jnp.float32)
+        acc = acc._replace(
+          noise_scale=acc.noise_scale._replace(sq_sum=zero, num=zero, examples=zero)
+        )
+    aux_sum = None
+    if self._opts.loss.has_aux:
+      if microbatch is None:
+        raise ValueError(
+          "micro_step(..., has_aux=True): pass a micro-batch to init, step.init(params,"
+          " microbatch) (ShapeDtypeStructs will do), so the aux sums get their shapes."
+        )
+      key = None if rng is None else jax.random.key(0)
+      _, aux_like, _ = jax.eval_shape(self._opts.loss.call, params, model_state, microbatch, key)
+      aux_sum = jax.tree.map(lambda a: lay.zeros(a.shape, sum_dtype(a)), aux_like)
+    return MicroStepState(acc, lay.zeros((), jnp.float32), aux_sum)
+
+  def to_accumulate_state(self, state: MicroStepState) -> AccumulateState:
+    """The state as ``tx.init`` lays it out: the device slots summed (the open window's
+    loss and aux sums are dropped). Pass it to :func:`train_step`, ``tx.update`` or
+    :func:`flush`, or convert it to another step's layout with :meth:`convert_state`."""
+    state = self._check(state)
+    per_device = self._layout.dp is not None
+    sums, noise = _partials(state)
+    total = lambda t: jax.tree.map(lambda x: self._layout.total(x, per_device), t)  # noqa: E731
+    return _with_partials(state, total(sums), total(noise)).accumulate
+
+  def convert_state(
+    self, state: MicroStepState | AccumulateState, like: MicroStepState
+  ) -> MicroStepState:
+    """``state`` in the layout of ``like`` (this step's ``init``): from another mesh (any
+    number of device slots), from no mesh, or an :class:`AccumulateState` (``tx.init``,
+    :func:`train_step`, streaming ``tx.update``).
+
+    The open window's sums are totalled over the saved slots and put in the first device's
+    slot (the others zero): their total, all that a window uses, is unchanged. An
+    :class:`AccumulateState` has no loss or aux sums: the window's ``value=`` and ``"loss"``
+    then count only the micro-batches after the conversion.
+    """
+    if isinstance(state, AccumulateState):
+      state = MicroStepState(state, like.loss_sum, like.aux_sum)
+    if not isinstance(state, MicroStepState):
+      raise TypeError(
+        f"convert_state takes a MicroStepState or an AccumulateState, got {type(state).__name__}."
+      )
+    per_slot = self._layout.dp is not None
+    lay_to = jax.tree.structure(_partials(like))
+    if jax.tree.structure(_partials(state)) != lay_to:
+      raise ValueError(
+        "convert_state: the saved state's accumulator does not match this step's (params,"
+        f" aux or noise sums differ):\n  saved: {jax.tree.structure(_partials(state))}\n"
+        f"  this step: {lay_to}"
+      )
+
+    def move(saved, target):
+      saved = jnp.asarray(saved)
+      if saved.ndim == target.ndim + (0 if per_slot else 1):  # saved with slots: total them
+        saved = jnp.sum(saved, axis=0)
+      if not per_slot:
+        return saved.astype(target.dtype)
+      return jax.device_put(target.at[0].set(saved.astype(target.dtype)), target.sharding)
+
+    moved = jax.tree.map(move, _partials(state), _partials(like))
+    acc = state.accumulate
+    if (acc.noise_scale is None) != (like.accumulate.noise_scale is None):
+      raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
+    return _with_partials(MicroStepState(acc, state.loss_sum, state.aux_sum), *moved)
+
+  def _check(self, state: Any) -> MicroStepState:
+    if not isinstance(state, MicroStepState):
+      hint = (
+        " An AccumulateState (tx.init, train_step) converts with step.convert_state(state, params)."
+        if isinstance(state, AccumulateState)
+        else ""
+      )
+      raise TypeError(
+        f"state must be step.init(params) of this micro_step, got {type(state).__name__}.{hint}"
+      )
+    self._acc.check_state(state.accumulate)
+    return state
+
+  # --- the call -----------------------------------------------------------------------------
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._fn(*args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    """The jitted call's ``lower`` (for compiled memory and HLO)."""
+    return self._fn.lower(*args, **kwargs)
+
+  def _call(self, params, state, microbatch, rng=None):
+    new_params, _, new_state, metrics = self._step(params, None, state, microbatch, rng)
+    return new_params, new_state, metrics
+
+  def _call_with_state(self, params, model_state, state, microbatch, rng=None):
+    return self._step(params, model_state, state, microbatch, rng)
+
+  def _step(self, params, model_state, state, microbatch, rng):
+    state = self._check(state)
+    acc_state = state.accumulate
+    rows = check_batch(microbatch, 1)
+    lay = self._layout
+    if rows % lay.devices:
+      dp = lay.dp
+      raise ValueError(
+        f"micro_step: the micro-batch has {rows} rows, not divisible by the {dp.size} devices"
+        f" on the data axes {dp.axes} (mesh {dict(dp.mesh.shape)}): every device takes"
+        f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
+      )
+    scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
+    partial, noise = _partials(state)
+    add = self._add_local if lay.dp is None else self._add_on_mesh
+    partial, noise, new_model_state = add(
+      params, microbatch, rng, partial, noise, model_state, scale
+    )
+    state = _with_partials(state, partial, noise)
+    emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
+    return jax.lax.cond(emit, self._close, self._hold, params, new_model_state, model_state, state)
+
+  def _add_local(self, params, mb, rng, partial, noise, model_state, scale):
+    w = self._mg.local_sums(params, mb, rng, _zeros_like(partial.grads), model_state, scale, None)
+    sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, 1, 1.0)
+    return _add(partial, sums), _add(noise, new_noise), w.model_state
+
+  def _add_on_mesh(self, params, mb, rng, partial, noise, model_state, scale):
+    """Every device adds its rows' sums to its own slot, with no gradient collective."""
+    dp, lay = self._layout.dp, self._layout
+    axes, mesh = dp.axes, dp.mesh
+    plans = _leaf_plans(dp, params)
+    treedef = jax.tree.structure(params)
+    # Data-sharded params are gathered over the data axes by GSPMD before the shard_map.
+    params = treedef.unflatten(
+      [_place(x, mesh, p.model_spec) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
+    )
+    slot = lay.spec()
+    grad_specs = lay.grad_specs(params)
+    partial_specs = Sums(grad_specs, slot, slot, jax.tree.map(lambda _: slot, partial.aux))
+    noise_specs = jax.tree.map(lambda _: slot, noise)
+    devices = dp.size
+
+    def per_device(params, mb, rng, partial, noise, model_state, scale):
+      if rng is not None:
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+      own = jax.tree.map(lambda x: x[0], (partial, noise))
+      w = self._mg.local_sums(
+        params, mb, rng, _zeros_like(own[0].grads), model_state, scale, None, axes
+      )
+      # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
+      sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices)
+      new = _add(own, (sums, new_noise))
+      return jax.tree.map(lambda x: x[None], new), _reduce_state(w.model_state, axes)
+
+    args = (params, mb, rng, partial, noise, model_state, scale)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+      args = (
+        params,
+        jax.tree.map(lambda x: _place(x, mesh, dp.batch_spec), mb),
+        rng,
+        jax.tree.map(lambda x, s: _place(x, mesh, s), partial, partial_specs),
+        jax.tree.map(lambda x: _place(x, mesh, slot), noise),
+        *(jax.tree.map(lambda x: _place(x, mesh, P()), a) for a in (model_state, scale)),
+      )
+    add = jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(P(), dp.batch_spec, P(), partial_specs, noise_specs, P(), P()),
+      out_specs=((partial_specs, noise_specs), P()),
+      axis_names=set(axes),
+    )
+    (partial, noise), new_model_state = add(*args)
+    return partial, noise, new_model_state
+
+  def _reduce(self, params, partial, noise) -> tuple[Sums, Any]:
+    """The window's sums: the device slots reduced (one all-reduce, reduce-scatters for
+    data-sharded params), inside the closing branch only."""
+    dp, lay = self._layout.dp, self._layout
+    if dp is None:
+      return partial, noise
+    plans = _leaf_plans(dp, params)
+    treedef = jax.tree.structure(params)
+    slot = lay.spec()
+    partial_specs = Sums(
+      lay.grad_specs(params), slot, slot, jax.tree.map(lambda _: slot, partial.aux)
+    )
+    noise_specs = jax.tree.map(lambda _: slot, noise)
+    out_grads = treedef.unflatten([p.manual for p in plans])
+
+    def per_device(partial, noise):
+      partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
+      grads, (rest, noise) = reduce_over_data(
+        plans, jax.tree.leaves(partial.grads), (partial._replace(grads=()), noise), dp.axes, False
+      )
+      return rest._replace(grads=treedef.unflatten(grads)), noise
+
+    reduce = jax.shard_map(
+      per_device,
+      mesh=dp.mesh,
+      in_specs=(partial_specs, noise_specs),
+      out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), partial.aux)), P()),
+      axis_names=set(dp.axes),
+    )
+    return reduce(partial, noise)
+
+  def _close(self, params, new_model_state, model_state, state):
+    """The call that closes the window: reduce, one inner update, empty slots."""
+    acc, opts = self._acc, self._opts
+    partial, noise = _partials(state)
+    totals, total_noise = self._reduce(params, partial, noise)
+    acc_state = state.accumulate
+    if isinstance(total_noise, NoiseSums):
+      acc_state = acc_state._replace(
+        noise_scale=acc_state.noise_scale._replace(
+          sq_sum=total_noise.sq_sum, num=total_noise.num, examples=total_noise.examples
+        )
+      )
+    loss = safe_mean(totals.loss, totals.weight)
+    aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
+    extra = {"value": loss, "grad": MEAN_GRADIENT}
+    updates, new_acc = acc.close(totals.grads, totals.weight, acc_state, params, params, extra)[:2]
+    new_params = place_params(self._layout.dp, optax.apply_updates(params, updates))
+    empty = jax.tree.map(jnp.zeros_like, (partial, noise))
+    new_state = _with_partials(MicroStepState(new_acc, state.loss_sum, state.aux_sum), *empty)
+    scale = 1.0 if acc_state.loss_scale is None else acc_state.loss_scale.scale
+    metrics = {
+      "loss": loss,
+      "grad_norm": safe_mean(optax.tree.norm(totals.grads), totals.weight * scale),
+      "weight": totals.weight,
+      "updated": new_acc.updated,
+      "micro_step": new_acc.micro_step,
+    }
+    if opts.loss.has_aux:
+      metrics["aux"] = aux
+    if opts.has_state:  # a voided window restores float state (statistics); counters advance
+      new_model_state = jax.tree.map(
+        lambda new, old: jnp.where(new_acc.updated, new, old) if is_inexact(new) else new,
+        new_model_state,
+        model_state,
+      )
+    return new_params, new_model_state, new_state, metrics
+
+  def _hold(self, params, new_model_state, model_state, state):
+    """A call inside the window: the sums stay on their devices; metrics are NaN."""
+    del model_state
+    acc_state = state.accumulate
+    new_acc = acc_state._replace(
+      micro_step=optax.safe_increment(acc_state.micro_step), updated=jnp.zeros((), bool)
+    )
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    metrics = {
+      "loss": nan,
+      "grad_norm": nan,
+      "weight": nan,
+      "updated": new_acc.updated,
+      "micro_step": new_acc.micro_step,
+    }
+    if self._opts.loss.has_aux:
+      metrics["aux"] = jax.tree.map(
+        lambda a: (
+          jnp.full(a.shape[1:] if self._layout.dp else a.shape, jnp.nan, a.dtype)
+          if is_inexact(a)
+          else jnp.zeros(a.shape[1:] if self._layout.dp else a.shape, a.dtype)
+        ),
+        state.aux_sum,
+      )
+    return params, new_model_state, state._replace(accumulate=new_acc), metrics
+
+
+def _zeros_like(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def micro_step(
+  loss_fn: Callable[..., Any],
+  tx: Accumulate,
+  *,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  has_state: bool = False,
+  mesh: Any = None,
+  data_axis: str | tuple[str, ...] | None = None,
+  param_specs: Any = None,
+  donate: bool = False,
+  jit: bool = True,
+) -> MicroStep:
+  r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
+
+  For a data loader that yields micro-batches: ``step(params, state,
+  microbatch, rng=None) -> (params, state, metrics)`` adds the micro-batch's
+  weighted gradient :math:`w_i g_i` and loss :math:`w_i L_i` to the sums in
+  ``state = step.init(params)``; the call that completes the window of ``tx =
+  ga.accumulate(inner, k)`` applies ``inner`` once to
+  :math:`G = \sum_i w_i g_i / \sum_i w_i`, passing ``value=`` the window's mean
+  loss (for ``optax.contrib.reduce_on_plateau``), through the same closing code
+  as :func:`train_step`. The other calls return the params unchanged.
+
+  Without ``mesh`` this is ``jax.value_and_grad`` + ``tx.update`` done right
+  (weights, mean loss, noise and loss scaling as in :func:`train_step`). With
+  ``mesh``, every device adds its own rows' sums (the micro-batch is sharded on
+  ``data_axis``; weights are global over devices and calls) to its own slot of
+  the state, with no gradient collective: only the call that closes the window
+  reduces the slots (one all-reduce; one reduce-scatter per data-sharded param
+  of ``param_specs``), inside the ``lax.cond`` branch that closes it. A plain
+  ``jax.jit`` of ``value_and_grad`` + ``tx.update`` on a sharded micro-batch
+  all-reduces the gradient on every call.
+
+  Args:
+    loss_fn: ``loss_fn(params, microbatch[, rng])`` returning the mean loss of
+      the micro-batch, or ``(loss, aux)`` with ``has_aux``; with
+      ``has_state``, ``loss_fn(params, model_state, microbatch[, rng])``
+      returning ``(loss, new_model_state)`` (or ``(loss, (aux,
+      new_model_state))``).
+    tx: a transformation made by :func:`accumulate` (``num_microbatches`` may
+      be a schedule).
+    has_aux, weight_fn, has_state: as in :func:`train_step`. With a mesh,
+      float model-state leaves are averaged over the devices after every call
+      (a small all-reduce) and integer leaves take their maximum.
+    mesh, data_axis, param_specs: as in :func:`train_step`. FSDP params are
+      all-gathered over the data axes on every call (GSPMD); the slots hold
+      full-size partial gradients.
+    donate: donate ``params``, ``state`` (and ``model_state``) to the step.
+    jit: jit the step (default), or return it traceable.
+
+  State, checkpoints and meshes: the state is a :class:`MicroStepState`
+  (``step.init(params)``; pass a micro-batch too with ``has_aux``), whose
+  ``accumulate`` is an :class:`AccumulateState`. With a mesh of ``D`` devices
+  on the data axes, its ``acc_grads`` leaves, ``acc_weight``, ``loss_sum``,
+  the aux sums and the noise-scale window sums have a leading axis of ``D``
+  slots, sharded over the data axes: device ``d``'s partial sums, whose total
+  is the window's (an unweighted micro-batch adds ``1/D`` per device). They
+  are ordinary global arrays: a checkpointer (orbax) saves and restores them
+  on the same mesh like the params. If the mesh changes between save and
+  restore, restore the state unsharded (e.g. as numpy) and call
+  ``step.convert_state(saved, step.init(params))``: the open window's sums
+  are totalled and put in the first slot of the new layout, which is exact
+  (only totals matter); mid-window checkpoints resume exactly. To move to the
+  fused or streaming modes, ``step.to_accumulate_state(state)`` sums the
+  slots into the layout of ``tx.init``; ``convert_state`` takes such a state
+  back.
+
+  Returns:
+    A :class:`MicroStep` ``step``: ``step(params, state, microbatch,
+    rng=None) -> (params, state, metrics)``, with ``has_state``
+    ``step(params, model_state, state, microbatch, rng=None) -> (params,
+    model_state, state, metrics)``. ``metrics``: ``"updated"``,
+    ``"micro_step"`` (micro-batches in the open window after the call) and,
+    for the window the call closes, ``"loss"`` (weighted mean), ``"grad_norm"``,
+    ``"weight"`` (its total weight) and with ``has_aux`` ``"aux"``; these are
+    NaN (integer aux: 0) on calls that do not close a window, which would need
+    a reduction over the devices. ``rng`` is folded with the device index (with
+    a mesh) and then 0, as micro-batch 0 of :func:`train_step`: pass a fresh key
+    on every call.
+
+  Raises:
+    TypeError: if ``tx`` is not made by :func:`accumulate`, or ``state`` is not
+      a :class:`MicroStepState`.
+    ValueError: for the mesh errors of :func:`train_step`; at the first call,
+      for a micro-batch whose rows do not divide over the data-parallel
+      devices.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> def loss_fn(w, mb):
+    ...   return jnp.mean((mb["x"] @ w - mb["y"]) ** 2)
+    >>> tx = ga.accumulate(optax.sgd(0.1), num_microbatches=2)
+    >>> step = ga.micro_step(loss_fn, tx)
+    >>> params = jnp.zeros(3)
+    >>> state = step.init(params)
+    >>> for i in range(2):
+    ...   mb = {"x": jnp.ones((4, 3)), "y": jnp.full(4, 1.0 + i)}
+    ...   params, state, metrics = step(params, state, mb)
+    >>> bool(metrics["updated"]), float(metrics["loss"])  # the mean of 1 and 4
+    (True, 2.5)
+  """
+  tx = as_accumulate(tx)
+  opts = make_options(
+    "micro_step",
+    loss_fn,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    has_state=has_state,
+    mesh=mesh,
+    data_axis=data_axis,
+    param_specs=param_specs,
+  )
+  return MicroStep(opts, tx, donate=bool(donate), jit=bool(jit))

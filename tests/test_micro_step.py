@@ -1,0 +1,252 @@
+"""ga.micro_step: one jitted call per micro-batch; on a mesh, one reduction per window."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, init_mlp, xent_loss
+from jax.sharding import PartitionSpec as P
+from test_gather_params import _OP, computations, reachable
+from test_sharding import (
+  FSDP,
+  SIZES,
+  D,
+  data,
+  mesh_1d,
+  plain_steps,
+  put,
+  shapes_of,
+  token_batch,
+  token_loss,
+)
+
+import gradaccum_jax as ga
+
+
+def tokens(mb):
+  return jnp.sum(mb["mask"])
+
+
+def run_window(step, params, state, batch, k, mesh=None, calls=None):
+  """Calls ``step`` on micro-batches ``calls`` (all k by default) of ``batch``."""
+  for i in range(k) if calls is None else calls:
+    mb = ga.microbatch(batch, i, k)
+    params, state, metrics = step(params, state, mb if mesh is None else put(mb, mesh, P("data")))
+  return params, state, metrics
+
+
+def record_value():
+  """An inner transformation that keeps the ``value=`` it was given (the window's mean loss)."""
+
+  def init(params):
+    del params
+    return jnp.full((), jnp.nan, jnp.float32)
+
+  def update(updates, state, params=None, *, value=None, **extra):
+    del state, params, extra
+    return updates, jnp.asarray(jnp.nan if value is None else value, jnp.float32)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.mark.slow
+def test_without_a_mesh_k_calls_equal_the_big_batch_step_and_pass_the_window_loss():
+  k = 4
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = token_batch(D * k)
+  inner = optax.chain(record_value(), optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+  expected, expected_loss = plain_steps(token_loss, inner, params, [batch])
+  tx = ga.accumulate(inner, k)
+  step = ga.micro_step(token_loss, tx, weight_fn=tokens)
+  state = step.init(params)
+  p = params
+  for i in range(k):
+    p, state, metrics = step(p, state, ga.microbatch(batch, i, k))
+    assert bool(metrics["updated"]) == (i == k - 1)
+    assert int(metrics["micro_step"]) == (i + 1) % k
+    if i < k - 1:
+      assert np.isnan(metrics["loss"]) and np.isnan(metrics["weight"])
+  assert_trees_close(p, expected)
+  np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+  np.testing.assert_allclose(state.accumulate.inner_state[0], expected_loss, rtol=1e-5)
+  assert float(metrics["weight"]) == float(np.sum(batch["mask"]))
+  assert int(state.accumulate.count) == 1 and not np.any(state.accumulate.acc_grads["layer0"]["w"])
+
+
+@pytest.mark.slow
+def test_without_a_mesh_it_equals_train_step_with_aux_and_does_not_retrace():
+  k = 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batches = [data(8 * k, key) for key in (1, 2)]
+
+  def loss_aux(params, mb):
+    loss = xent_loss(params, mb)
+    return loss, {"loss": loss, "rows": jnp.sum(mb["y"] >= 0)}
+
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  fused = ga.train_step(loss_aux, tx, has_aux=True)
+  step = ga.micro_step(loss_aux, tx, has_aux=True, jit=False)
+  jitted = jax.jit(chex.assert_max_traces(lambda p, s, mb: step(p, s, mb), n=1))
+  p, s = params, step.init(params, batches[0])
+  pf, sf = params, tx.init(params)
+  for batch in batches:
+    p, s, m = run_window(jitted, p, s, batch, k)
+    pf, sf, mf = fused(pf, sf, batch)
+    assert_trees_close(p, pf)
+    np.testing.assert_allclose(m["aux"]["loss"], mf["aux"]["loss"], rtol=1e-5)
+    assert int(m["aux"]["rows"]) == int(mf["aux"]["rows"]) == 8 * k
+  chex.assert_tree_all_finite(p)
+
+
+# --- on a mesh -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
+def test_on_a_mesh_weighted_with_uneven_tokens_per_device_equals_the_big_batch_step(specs):
+  mesh, k = mesh_1d(), 4
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = token_batch(D * k * 2)
+  per_device = np.asarray(batch["mask"]).reshape(D, -1).sum(axis=1)
+  assert len(set(per_device.tolist())) > 1
+  inner = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+  expected, expected_loss = plain_steps(token_loss, inner, params, [batch])
+  tx = ga.accumulate(inner, k)
+  step = ga.micro_step(token_loss, tx, weight_fn=tokens, mesh=mesh, param_specs=specs)
+  p = put(params, mesh, P() if specs is None else specs)
+  state = step.init(p)
+  assert state.accumulate.acc_grads["layer0"]["w"].shape == (D, *SIZES[:2])
+  p, state, metrics = run_window(step, p, state, batch, k, mesh)
+  assert_trees_close(p, expected)
+  np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+  assert float(metrics["weight"]) == float(per_device.sum())
+  if specs is not None:  # the params keep their sharding
+    for leaf, spec in zip(jax.tree.leaves(p), jax.tree.leaves(specs), strict=True):
+      sharding = jax.sharding.NamedSharding(mesh, spec)
+      assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, spec)
+
+
+def branch_collectives(hlo_text):
+  """Every collective: (op, shapes, index of the conditional branch it is in, or None)."""
+  comps = computations(hlo_text)
+  conds = [line for lines in comps.values() for line in lines if " conditional(" in line]
+  assert len(conds) <= 1, conds  # micro_step: one lax.cond, close the window or hold
+  names = [
+    n.strip().lstrip("%")
+    for line in conds
+    for n in re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")
+  ]
+  branches = [reachable(comps, [n]) for n in names]
+  found = []
+  for name, lines in comps.items():
+    for m in filter(None, map(_OP.match, lines)):
+      where = [i for i, b in enumerate(branches) if name in b]
+      found.append((m.group(2), shapes_of(m.group(1)), where[0] if where else None))
+  return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
+def test_gradient_reductions_run_only_in_the_branch_that_closes_the_window(specs):
+  mesh, k = mesh_1d(), 4
+  params = init_mlp(jax.random.key(0), SIZES)
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  step = ga.micro_step(xent_loss, tx, mesh=mesh, param_specs=specs)
+  p = put(params, mesh, P() if specs is None else specs)
+  mb = put(ga.microbatch(data(D * k), 0, k), mesh, P("data"))
+  found = branch_collectives(step.lower(p, step.init(p), mb).compile().as_text())
+  assert {where for _, _, where in found} >= {1}, found  # there is a closing branch
+  sized = [c for c in found if c[0] in ("all-reduce", "reduce-scatter") and any(c[1])]
+  # lax.cond lowers to branches (false, true): index 1 closes the window.
+  assert sized and all(where == 1 for _, _, where in sized), found
+  assert not [c for c in found if c[2] == 0], found  # calls inside the window: no collective
+  outside = [op for op, _, where in found if where is None]
+  assert set(outside) <= {"all-gather"}, found  # FSDP: the params, gathered every call
+  if specs is None:
+    assert [(op, where) for op, _, where in found] == [("all-reduce", 1)], found
+
+
+@pytest.mark.slow
+def test_a_plain_gspmd_streaming_step_all_reduces_every_call():
+  """The contrast: jit(value_and_grad + tx.update) on a sharded micro-batch reduces each call."""
+  mesh, k = mesh_1d(), 4
+  params = put(init_mlp(jax.random.key(0), SIZES), mesh, P())
+  tx = ga.accumulate(optax.adam(1e-2), k)
+
+  @jax.jit
+  def plain(params, state, mb):
+    grads = jax.grad(xent_loss)(params, mb)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  mb = put(ga.microbatch(data(D * k), 0, k), mesh, P("data"))
+  found = branch_collectives(plain.lower(params, tx.init(params), mb).compile().as_text())
+  assert [c for c in found if c[0] == "all-reduce" and any(c[1]) and c[2] is None], found
+
+
+# --- checkpoints: layouts and meshes -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_window_saved_on_a_mesh_resumes_without_one_and_in_the_fused_step():
+  """Two calls on 8 devices, the state moved off the mesh (as after a restore on another
+  machine), two more calls: the window is the whole batch's, unweighted."""
+  mesh, k = mesh_1d(), 4
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(D * k)
+  inner = optax.adam(1e-2)
+  expected, _ = plain_steps(xent_loss, inner, params, [batch])
+  tx = ga.accumulate(inner, k)
+  on_mesh = ga.micro_step(xent_loss, tx, mesh=mesh)
+  p = put(params, mesh, P())
+  p, state, _ = run_window(on_mesh, p, on_mesh.init(p), batch, k, mesh, calls=range(2))
+  saved = jax.device_get(state)  # numpy: no mesh
+
+  single = ga.micro_step(xent_loss, tx)
+  restored = single.convert_state(saved, single.init(params))
+  assert restored.accumulate.acc_grads["layer0"]["w"].shape == SIZES[:2]
+  p1, _, metrics = run_window(single, jax.device_get(p), restored, batch, k, calls=range(2, 4))
+  assert bool(metrics["updated"])
+  assert_trees_close(p1, expected)
+
+  # The same open window, summed into tx.init's layout, closed by the fused step on the rest.
+  open_window = on_mesh.to_accumulate_state(state)
+  assert open_window.acc_grads["layer0"]["w"].shape == SIZES[:2]
+  np.testing.assert_allclose(open_window.acc_weight, 2.0)  # 2 micro-batches of weight 1
+  # Micro-batch i holds rows i, i + k, ...: keep micro-batches 2 and 3, in the same layout.
+  rest = jax.tree.map(
+    lambda x: x.reshape(-1, k, *x.shape[1:])[:, 2:].reshape(-1, *x.shape[1:]), batch
+  )
+  fused = ga.train_step(xent_loss, ga.accumulate(inner, 2))
+  p2, _, _ = fused(jax.device_get(p), jax.device_get(open_window), rest)
+  assert_trees_close(p2, expected)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_a_micro_batch_not_divisible_by_the_data_parallel_devices_names_the_axis():
+  mesh = mesh_1d()
+  params = put(init_mlp(jax.random.key(0), SIZES), mesh, P())
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  step = ga.micro_step(xent_loss, tx, mesh=mesh)
+  with pytest.raises(ValueError, match=r"12 rows, not divisible by the 8 devices .*\('data',\)"):
+    step(params, step.init(params), data(12))
+
+
+def test_bad_states_and_arguments():
+  params = init_mlp(jax.random.key(0), SIZES)
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  step = ga.micro_step(xent_loss, tx)
+  with pytest.raises(TypeError, match=r"step.convert_state\(state, params\)|convert_state"):
+    step(params, tx.init(params), data(4))
+  with pytest.raises(TypeError, match=r"made by ga.accumulate"):
+    ga.micro_step(xent_loss, optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"pass a micro-batch to init"):
+    ga.micro_step(xent_loss, tx, has_aux=True).init(params)
+  with pytest.raises(ValueError, match=r"data_axis='data'.*\{'batch': 8\}"):
+    ga.micro_step(xent_loss, tx, mesh=jax.make_mesh((D,), ("batch",)))
