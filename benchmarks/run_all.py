@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("step_time", "memory", "sharding", "noise_scale")
+SCRIPTS = ("step_time", "side_by_side", "memory", "sharding", "noise_scale")
 TITLES = {
   "step_time": "Step time, overhead, memory and compile time (`step_time.py`)",
+  "side_by_side": "Step time side by side with optax at b = 8, 32, 256 (`side_by_side.py`)",
   "memory": "Memory with mixed precision and remat (`memory.py`)",
   "sharding": "Data-parallel accumulation on a mesh (`sharding.py`)",
   "noise_scale": "Gradient noise scale (`noise_scale.py`)",

@@ -271,13 +271,6 @@ def has_updated(state: AccumulateState) -> jax.Array:
   return state.updated
 
 
-def _tree_all_finite(tree: Any) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
-
-
 def accum_dtype_for(like: Any, accum_dtype: Any) -> Any:
   """The accumulator's dtype for a leaf like ``like``: ``accum_dtype``'s precision, complex
   for a complex leaf (complex64 for float32); the leaf's own dtype if ``accum_dtype`` is None."""
@@ -357,24 +350,62 @@ class _Accumulator:
     params: Params | None,
     grad_like: Updates,
     extra_args: dict[str, Any],
-  ) -> tuple[Updates, AccumulateState]:
+    apply: bool = False,
+  ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
-    Returns the updates and the new state. A window with zero or non-finite total weight, or a
-    non-finite mean gradient when ``skip_nonfinite`` or loss scaling is on, is voided: zero
-    updates, inner state kept. With loss scaling, ``acc_grads`` holds scaled gradients. The
-    selection is a ``jnp.where``, not a ``lax.cond``, so the inner optimizer runs exactly once
-    and XLA keeps one copy of its state. ``extra_args`` go to ``inner`` (the fused step passes
-    the window's mean loss as ``value`` and mean gradient as ``grad``).
+    Returns the updates (with ``apply``: the new params, the updates applied to ``params``
+    where they are made, so no zero updates are written for a voided window), the new state
+    and the global norm of the mean gradient (float32). A
+    window with zero or non-finite total weight, or a non-finite mean gradient when
+    ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state kept. With
+    loss scaling, ``acc_grads`` holds scaled gradients. The inner optimizer runs at most once,
+    and only on a window that is applied (``_run_if``: XLA keeps one copy of its state).
+    One reduction, the squared norm of the mean, gives both the norm and the finiteness check
+    (a norm past float32's range, above 1.8e19, counts as non-finite).
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     denom = jnp.where(nonempty, acc_weight, 1.0)
     if state.loss_scale is not None:
       denom = denom * state.loss_scale.scale
     mean = jax.tree.map(lambda a, g: (a / denom).astype(jnp.result_type(g)), acc_grads, grad_like)
+    sq = sq_norm(mean)
+    ok = nonempty
+    loss_scale = state.loss_scale
+    if self.skip_nonfinite or self.loss_scale is not None:
+      finite = jnp.isfinite(sq)
+      ok = ok & finite
+      if self.loss_scale is not None:
+        loss_scale = self.loss_scale.next(state.loss_scale, finite, nonempty)
+
+    def step(carry):
+      out, inner_state = carry
+      updates, inner_state = self._inner_update(mean, inner_state, params, extra_args)
+      return (optax.apply_updates(out, updates) if apply else updates), inner_state
+
+    if apply:
+      out = params
+    else:
+      out = jax.tree.map(jnp.zeros_like, jax.eval_shape(step, (None, state.inner_state))[0])
+    updates, inner_state = _run_if(ok, step, (out, state.inner_state))
+    new_state = AccumulateState(
+      micro_step=jnp.zeros((), jnp.int32),
+      count=optax.safe_increment(state.count),
+      num_skipped=jnp.where(ok, state.num_skipped, optax.safe_increment(state.num_skipped)),
+      updated=ok,
+      acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
+      acc_weight=jnp.zeros((), jnp.float32),
+      inner_state=inner_state,
+      loss_scale=loss_scale,
+      noise_scale=self._next_noise(state, acc_grads, acc_weight, ok),
+    )
+    return updates, new_state, jnp.sqrt(sq)
+
+  def _inner_update(self, mean, inner_state, params, extra_args):
+    """``inner.update`` on the window's mean gradient, with errors that say what ga passes."""
     extra_args = {k: (mean if v is MEAN_GRADIENT else v) for k, v in extra_args.items()}
     try:
-      updates, inner_state = self.inner.update(mean, state.inner_state, params, **extra_args)
+      return self.inner.update(mean, inner_state, params, **extra_args)
     except TypeError as e:
       if "value_fn" in str(e):
         raise TypeError(
@@ -390,29 +421,6 @@ class _Accumulator:
           " value=window_mean_loss)."
         ) from e
       raise
-    ok = nonempty
-    loss_scale = state.loss_scale
-    if self.skip_nonfinite or self.loss_scale is not None:
-      finite = _tree_all_finite(mean)
-      ok = ok & finite
-      if self.loss_scale is not None:
-        loss_scale = self.loss_scale.next(state.loss_scale, finite, nonempty)
-    updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-    inner_state = jax.tree.map(
-      lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
-    )
-    new_state = AccumulateState(
-      micro_step=jnp.zeros((), jnp.int32),
-      count=optax.safe_increment(state.count),
-      num_skipped=jnp.where(ok, state.num_skipped, optax.safe_increment(state.num_skipped)),
-      updated=ok,
-      acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
-      acc_weight=jnp.zeros((), jnp.float32),
-      inner_state=inner_state,
-      loss_scale=loss_scale,
-      noise_scale=self._next_noise(state, acc_grads, acc_weight, ok),
-    )
-    return updates, new_state
 
   def _next_noise(self, state, acc_grads, acc_weight, ok) -> NoiseScaleState | None:
     """The noise-scale EMAs after a window, updated if it was applied and estimable."""
@@ -456,25 +464,21 @@ class _Accumulator:
     micro_step = optax.safe_increment(state.micro_step)
     grad_like = grads if params is None else params
 
-    def close(operands):
-      acc, acc_weight, state = operands
-      return self.close(acc, acc_weight, state, params, grad_like, extra_args)
+    held = state._replace(
+      micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
+    )
+
+    def close(carry):
+      _, state = carry
+      acc, weight = state.acc_grads, state.acc_weight
+      return self.close(acc, weight, state, params, grad_like, extra_args)[:2]
 
     k = self.num_microbatches
     if isinstance(k, int) and k == 1:
-      return close((acc, acc_weight, state))
-
-    updates_shape = jax.eval_shape(close, (acc, acc_weight, state))[0]
-
-    def hold(operands):
-      acc, acc_weight, state = operands
-      updates = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
-      return updates, state._replace(
-        micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
-      )
-
-    emit = micro_step >= self.window_size(state.count)
-    return jax.lax.cond(emit, close, hold, (acc, acc_weight, state))
+      return close((None, held))
+    return _run_if(
+      micro_step >= self.window_size(state.count), close, _with_zero_updates(close, held)
+    )
 
   def flush(
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
@@ -483,15 +487,34 @@ class _Accumulator:
     state = self.check_state(state)
     grad_like = state.acc_grads if params is None else params
 
-    def close(state):
-      return self.close(state.acc_grads, state.acc_weight, state, params, grad_like, extra_args)
+    def close(carry):
+      _, state = carry
+      acc, weight = state.acc_grads, state.acc_weight
+      return self.close(acc, weight, state, params, grad_like, extra_args)[:2]
 
-    def keep(state):
-      updates = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
-      return updates, state._replace(updated=jnp.zeros((), bool))
+    held = state._replace(updated=jnp.zeros((), bool))
+    return _run_if(state.micro_step > 0, close, _with_zero_updates(close, held))
 
-    updates_shape = jax.eval_shape(close, state)[0]
-    return jax.lax.cond(state.micro_step > 0, close, keep, state)
+
+def _with_zero_updates(close: Any, state: AccumulateState) -> tuple[Updates, AccumulateState]:
+  """``(zero updates shaped as close's, state)``: what a call that does not close returns."""
+  shape = jax.eval_shape(close, (None, state))[0]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), state
+
+
+def _run_if(pred: jax.Array, fn: Any, carry: Any) -> Any:
+  """``fn(carry)`` if ``pred``, else ``carry``, without copying ``carry``.
+
+  A ``lax.cond`` whose other branch passes the carry through makes XLA copy every array of it
+  (the inner optimizer's state included) whenever that branch is taken, and a ``jnp.where``
+  between the new and the old state keeps the old one alive and so copies it too; a
+  ``while_loop`` of 0 or 1 trips updates its carry in place.
+  """
+
+  def body(c):
+    return jnp.zeros((), bool), fn(c[1])
+
+  return jax.lax.while_loop(lambda c: c[0], body, (pred, carry))[1]
 
 
 _UNWEIGHTED = Weighting(None)
@@ -554,9 +577,10 @@ def accumulate(
   cast to the parameters' dtype, and its updates are returned; the other
   calls return zero updates. For a mean loss this is exactly the update of
   one batch ``k`` times larger. The inner optimizer, its counters and its
-  schedules see one step per window, and it is evaluated once per window (a
-  ``lax.cond``), not on every micro-step and masked as in
-  ``optax.MultiSteps``.
+  schedules see one step per window, and it is evaluated once per window
+  (and not at all for a voided one), not on every micro-step and masked as in
+  ``optax.MultiSteps``; a call that does not close the window does not copy
+  the inner optimizer's state.
 
   Put everything that should see the accumulated gradient *inside*
   ``inner`` (clipping, schedules via ``optax.inject_hyperparams``, weight

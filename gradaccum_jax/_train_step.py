@@ -19,7 +19,7 @@ from gradaccum_jax._accumulate import (
   noise_scale,
 )
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure, is_inexact
-from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
+from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import NoiseSums
 from gradaccum_jax._sharding import AutoGatherStep, place_params
@@ -311,15 +311,21 @@ def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
     check_same_structure(params, state.acc_grads, "params")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    window = mg.sums(params, batch, rng, state.acc_grads, model_state, scale, num_real)
+    # The scan starts from zeros and the open window's sums are added once after it: the
+    # state's accumulator is then read once, not copied into the loop (it is donated).
+    zeros = jax.tree.map(jnp.zeros_like, state.acc_grads)
+    window = mg.sums(params, batch, rng, zeros, model_state, scale, num_real)
     sums = window.sums
+    acc_grads = jax.tree.map(jnp.add, state.acc_grads, sums.grads)
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
       state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    updates, new_state = acc.close(sums.grads, weight, state, params, params, extra)
-    new_params = place_params(dp, optax.apply_updates(params, updates))
+    new_params, new_state, grad_norm = acc.close(
+      acc_grads, weight, state, params, params, extra, apply=True
+    )
+    new_params = place_params(dp, new_params)
     if dp is not None:
       new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
     new_model_state = None
@@ -329,29 +335,28 @@ def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
         window.model_state,
         model_state,
       )
-    metrics = window_metrics(window, weight, state, new_state, loss, aux, opts.loss.has_aux)
+    metrics = window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts)
     return new_params, new_model_state, new_state, metrics
 
   return fused
 
 
-def window_metrics(window, weight, state, new_state, loss, aux, has_aux) -> dict[str, Any]:
+def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts) -> dict:
   """The metrics of a closed window (see :func:`train_step`)."""
   scale = None if state.loss_scale is None else state.loss_scale.scale
+  loss, aux = window.means()
   metrics = {
     "loss": loss,
-    "grad_norm": safe_mean(
-      optax.tree.norm(window.sums.grads), weight * (1.0 if scale is None else scale)
-    ),
+    "grad_norm": grad_norm,
     "weight": window.sums.weight,
     "updated": new_state.updated,
   }
-  if has_aux:
+  if opts.loss.has_aux:
     metrics["aux"] = aux
   if scale is not None:
     metrics["loss_scale"] = scale
   if isinstance(window.noise, NoiseSums):
-    g2, trace = noise_estimates(window.sums.grads, weight, state.noise_scale, scale)
+    g2, trace = noise_estimates(acc_grads, weight, state.noise_scale, scale)
     metrics["noise_scale"] = noise_scale(new_state)
     metrics["grad_sq_norm_est"], metrics["trace_sigma_est"] = g2, trace
   return metrics

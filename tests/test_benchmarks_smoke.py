@@ -102,6 +102,16 @@ def test_sharding_smoke(tmp_path):
   assert "| naive |" in (tmp_path / "sharding.md").read_text()
 
 
+def test_side_by_side_smoke(tmp_path):
+  run_script([sys.executable, "benchmarks/side_by_side.py", "--smoke", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "side_by_side.json").read_text())
+  assert [(r["opt"], r["b"]) for r in result["rows"]] == [("adam", 4), ("muon", 4)]
+  for row in result["rows"]:
+    assert set(row["ratio"]) == {"plain", "ms_loop", "microbat", "min_scan", "ga", "ga_stream"}
+    assert max(row["max_abs_diff_to_plain"].values()) < 1e-3  # every variant trains alike
+  assert "| opt | b | plain ms |" in (tmp_path / "side_by_side.md").read_text()
+
+
 def test_noise_scale_smoke(tmp_path):
   run_script([sys.executable, "benchmarks/noise_scale.py", "--smoke", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "noise_scale.json").read_text())

@@ -1,0 +1,227 @@
+"""Step time side by side: ga against optax.MultiSteps, optax.microbatching and a minimal scan.
+
+The same variants as the referee (``shared/bench/side_by_side.py``), in one run per
+configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the spread
+(min..max over rounds) of each ratio to the plain step:
+
+  plain      jit step on the whole k*b batch (the limit: what accumulation emulates)
+  ms_loop    optax.MultiSteps, k jitted micro-steps from Python
+  microbat   optax.microbatching.microbatch(grad) then the optimizer once
+  min_scan   a minimal lax.scan over the same strided micro-batches, mean, optimizer once
+  ga         gradaccum_jax.train_step (fused scan + one update)
+  ga_stream  gradaccum_jax.accumulate, k jitted micro-steps (grad + tx.update) from Python
+
+MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
+and b = 32 with muon.
+
+  python benchmarks/side_by_side.py --out benchmarks/results           # a few minutes
+  python benchmarks/side_by_side.py --smoke --out /tmp/bench           # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradaccum_jax as ga
+
+SIZES = (784, 512, 512, 10)
+VARIANTS = ("plain", "ms_loop", "microbat", "min_scan", "ga", "ga_stream")
+
+
+def init(key, sizes):
+  return [
+    {"w": jax.random.normal(jax.random.fold_in(key, i), (m, n)) * (2 / m) ** 0.5, "b": jnp.zeros(n)}
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
+  ]
+
+
+def loss_fn(p, mb):
+  h = mb["x"]
+  for layer in p[:-1]:
+    h = jax.nn.relu(h @ layer["w"] + layer["b"])
+  logits = h @ p[-1]["w"] + p[-1]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+
+def make_opt(name):
+  return optax.contrib.muon(1e-3) if name == "muon" else optax.adam(1e-3)
+
+
+def variants(opt_name, k, b, sizes):
+  """{name: (optimizer whose init makes the state, run(params, state) -> (params, state))}."""
+  rng = np.random.default_rng(0)
+  batch = {
+    "x": jnp.asarray(rng.standard_normal((k * b, sizes[0]), dtype=np.float32)),
+    "y": jnp.asarray(rng.integers(0, sizes[-1], (k * b,)), jnp.int32),
+  }
+  mbs = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+  opt, ms, tx = (
+    make_opt(opt_name),
+    optax.MultiSteps(make_opt(opt_name), k),
+    ga.accumulate(make_opt(opt_name), k),
+  )
+  jit = functools.partial(jax.jit, donate_argnums=(0, 1))
+
+  @jit
+  def plain(p, s, bt):
+    u, s = opt.update(jax.grad(loss_fn)(p, bt), s, p)
+    return optax.apply_updates(p, u), s
+
+  @jit
+  def ms_micro(p, s, mb):
+    u, s = ms.update(jax.grad(loss_fn)(p, mb), s, p)
+    return optax.apply_updates(p, u), s
+
+  @jit
+  def microbat(p, s, bt):
+    g = optax.microbatching.microbatch(
+      jax.grad(loss_fn), argnums=1, microbatch_size=b,
+      accumulator=optax.microbatching.AccumulationType.MEAN,
+    )(p, bt)  # fmt: skip
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  @jit
+  def min_scan(p, s, bt):
+    def body(acc, i):
+      mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
+      return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(p, mb)), None
+
+    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(k))
+    u, s = opt.update(jax.tree.map(lambda a: a / k, acc), s, p)
+    return optax.apply_updates(p, u), s
+
+  ga_step = ga.train_step(loss_fn, tx, donate=True)
+
+  @jit
+  def ga_micro(p, s, mb):
+    u, s = tx.update(jax.grad(loss_fn)(p, mb), s, p)
+    return optax.apply_updates(p, u), s
+
+  loop = lambda f: lambda p, s: functools.reduce(lambda c, mb: f(*c, mb), mbs, (p, s))  # noqa: E731
+  return {
+    "plain": (opt, lambda p, s: plain(p, s, batch)),
+    "ms_loop": (ms, loop(ms_micro)),
+    "microbat": (opt, lambda p, s: microbat(p, s, batch)),
+    "min_scan": (opt, lambda p, s: min_scan(p, s, batch)),
+    "ga": (tx, lambda p, s: ga_step(p, s, batch)[:2]),
+    "ga_stream": (tx, loop(ga_micro)),
+  }
+
+
+def measure(opt_name, k, b, sizes, rounds, reps):
+  runs = variants(opt_name, k, b, sizes)
+  p0 = init(jax.random.key(0), sizes)
+
+  def fresh(o):
+    p = jax.tree.map(jnp.array, p0)
+    return p, o.init(p)
+
+  outs = {n: f(*fresh(o))[0] for n, (o, f) in runs.items()}
+  err = {
+    n: float(
+      max(
+        jax.tree.leaves(jax.tree.map(lambda u, w: jnp.max(jnp.abs(u - w)), outs[n], outs["plain"]))
+      )
+    )
+    for n in runs
+  }
+  samples = {n: [] for n in runs}
+  for _ in range(rounds):  # interleaved: every round times every variant
+    for n, (o, f) in runs.items():
+      st = fresh(o)
+      for _ in range(2):
+        st = f(*st)
+      jax.block_until_ready(st)
+      t0 = time.perf_counter()
+      for _ in range(reps):
+        st = f(*st)
+      jax.block_until_ready(st)
+      samples[n].append((time.perf_counter() - t0) / reps * 1e3)
+  med = {n: statistics.median(v) for n, v in samples.items()}
+  # Ratios per round (same round, same machine state), then their median and spread.
+  ratios = {n: [v / pl for v, pl in zip(samples[n], samples["plain"], strict=True)] for n in runs}
+  return {
+    "opt": opt_name, "b": b, "k": k, "ms": med,
+    "ratio": {n: statistics.median(r) for n, r in ratios.items()},
+    "ratio_min": {n: min(r) for n, r in ratios.items()},
+    "ratio_max": {n: max(r) for n, r in ratios.items()},
+    "ga_vs_min_scan": statistics.median(
+      [g / m for g, m in zip(samples["ga"], samples["min_scan"], strict=True)]
+    ),
+    "ga_vs_microbat": statistics.median(
+      [g / m for g, m in zip(samples["ga"], samples["microbat"], strict=True)]
+    ),
+    "stream_vs_ms_loop": statistics.median(
+      [g / m for g, m in zip(samples["ga_stream"], samples["ms_loop"], strict=True)]
+    ),
+    "max_abs_diff_to_plain": err,
+  }  # fmt: skip
+
+
+def table(rows):
+  head = (
+    "| opt | b | plain ms | "
+    + " | ".join(VARIANTS[1:])
+    + " | ga / min_scan | ga / microbat | stream / ms_loop |"
+  )
+  lines = [head, "|" + "---|" * (len(VARIANTS) + 5)]
+  for r in rows:
+    cells = [
+      f"{r['ratio'][n]:.2f}x ({r['ratio_min'][n]:.2f}-{r['ratio_max'][n]:.2f})"
+      for n in VARIANTS[1:]
+    ]
+    lines.append(
+      f"| {r['opt']} | {r['b']} | {r['ms']['plain']:.2f} | " + " | ".join(cells)
+      + f" | {r['ga_vs_min_scan']:.3f} | {r['ga_vs_microbat']:.3f} | {r['stream_vs_ms_loop']:.3f} |"
+    )  # fmt: skip
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", type=Path, default=None, help="folder for side_by_side.{json,md}")
+  ap.add_argument("--smoke", action="store_true", help="tiny sizes and one round")
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--k", type=int, default=8)
+  args = ap.parse_args(argv)
+  sizes, configs, rounds, reps = (
+    SIZES,
+    [("adam", 8), ("adam", 32), ("adam", 256), ("muon", 32)],
+    args.rounds,
+    args.reps,
+  )
+  if args.smoke:
+    sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4), ("muon", 4)], 1, 2
+  rows = [measure(o, args.k, b, sizes, rounds, reps) for o, b in configs]
+  meta = {
+    "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
+    "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
+    "gradaccum_jax": ga.__version__, "rounds": rounds, "reps": reps, "k": args.k, "sizes": sizes,
+  }  # fmt: skip
+  md = (
+    f"Side by side, k={args.k}, MLP {'-'.join(map(str, sizes))}; {meta['date']}, {meta['machine']},"
+    f" jax {meta['jax']}, optax {meta['optax']}; medians of {rounds} rounds x {reps} windows,"
+    " ratio to plain (min-max over rounds).\n\n" + table(rows) + "\n"
+  )
+  print(md)
+  if args.out is not None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "side_by_side.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "side_by_side.md").write_text(md)
+
+
+if __name__ == "__main__":
+  main()
