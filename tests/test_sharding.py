@@ -422,20 +422,41 @@ from helpers import init_mlp, make_batch, xent_loss
 
 assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
 mesh = jax.make_mesh((4,), ("data",))
-k = int(sys.argv[4])
+k, mode = int(sys.argv[4]), sys.argv[5]
 
 def global_array(x, spec):  # every process holds the whole value, and fills its own shards
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
-params = init_mlp(jax.random.key(0))
+params = init_mlp(jax.random.key(0))  # 6-16-3: every sharded dimension divides by 4
+specs = None if mode == "replicated" else {
+  "layer0": {"w": P(None, "data"), "b": P("data")}, "layer1": {"w": P("data"), "b": P()},
+}
+place = lambda tree, spec: jax.tree.map(
+  lambda x, s: global_array(x, s), tree,
+  jax.tree.broadcast(spec or P(), tree, is_leaf=lambda s: isinstance(s, P)),
+)
 tx = ga.accumulate(optax.adam(1e-2), k)
-step = ga.train_step(xent_loss, tx, mesh=mesh)
-p = jax.tree.map(lambda x: global_array(x, P()), params)
-state = jax.tree.map(lambda x: global_array(x, P()), tx.init(params))
-for key in (1, 2):
-  batch = make_batch(jax.random.key(key), 4 * k * 2)
-  p, state, metrics = step(p, state, jax.tree.map(lambda x: global_array(x, P("data")), batch))
+p = place(params, specs)
+batches = [make_batch(jax.random.key(key), 4 * k * 2) for key in (1, 2)]
+if mode == "micro_step":  # k calls of one micro-batch each per window
+  step = ga.micro_step(xent_loss, tx, mesh=mesh, param_specs=specs)
+  state = step.init(p)
+  for batch in batches:
+    for i in range(k):
+      mb = place(ga.microbatch(batch, i, k), P("data"))
+      p, state, metrics = step(p, state, mb)
+else:
+  gather = "per_microbatch" if mode == "per_microbatch" else "once"
+  step = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=specs, gather_params=gather)
+  spec_tree = jax.tree.broadcast(specs or P(), params, is_leaf=lambda s: isinstance(s, P))
+  state = optax.tree_map_params(  # params-shaped leaves sharded like the params
+    tx, global_array, tx.init(params), spec_tree,
+    transform_non_params=lambda x: global_array(x, P()), is_leaf=lambda s: isinstance(s, P),
+  )
+  for batch in batches:
+    p, state, metrics = step(p, state, place(batch, P("data")))
+p = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(p)  # gather the shards
 local = lambda x: np.asarray(x.addressable_shards[0].data)  # replicated: the whole value
 result = {jax.tree_util.keystr(q): local(x) for q, x in jax.tree_util.tree_leaves_with_path(p)}
 np.savez(os.path.join(out, f"process{process_id}.npz"), loss=local(metrics["loss"]), **result)
@@ -449,8 +470,10 @@ def free_port():
 
 
 @pytest.mark.slow
-def test_two_processes_on_one_global_mesh_train_like_one_device(tmp_path):
-  """2 processes x 2 CPU devices (gloo collectives): 2 windows equal the one-device steps."""
+@pytest.mark.parametrize("mode", ["replicated", "per_microbatch", "micro_step"])
+def test_two_processes_on_one_global_mesh_train_like_one_device(tmp_path, mode):
+  """2 processes x 2 CPU devices (gloo collectives): 2 windows equal the one-device steps, with
+  replicated params, FSDP params gathered per micro-batch, and streaming FSDP micro_step."""
   k = 2
   (tmp_path / "worker.py").write_text(WORKER)
   root = Path(__file__).resolve().parents[1]
@@ -459,7 +482,7 @@ def test_two_processes_on_one_global_mesh_train_like_one_device(tmp_path):
   port = free_port()
   procs = [
     subprocess.Popen(
-      [sys.executable, str(tmp_path / "worker.py"), str(i), str(port), str(tmp_path), str(k)],
+      [sys.executable, str(tmp_path / "worker.py"), str(i), str(port), str(tmp_path), str(k), mode],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -467,7 +490,7 @@ def test_two_processes_on_one_global_mesh_train_like_one_device(tmp_path):
     )
     for i in range(2)
   ]
-  deadline = time.monotonic() + 60
+  deadline = time.monotonic() + 150  # 2 shared cores: a worker compiles for about 40 s
   try:
     logs = [proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for proc in procs]
   finally:
