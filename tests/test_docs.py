@@ -24,9 +24,10 @@ def test_every_public_name_has_an_api_entry():
   """A name added to ``ga.__all__`` needs a ``.. autofunction::`` or ``.. autoclass::`` line in
   one of the docs/api/*.md pages (each page lists the names it documents)."""
   text = "\n".join(p.read_text() for p in sorted((DOCS / "api").glob("*.md")))
-  documented = set(
-    re.findall(r"^\.\. auto(?:function|class|data):: gradaccum_jax\.(\w+)$", text, re.M)
-  )
+  entries = re.findall(r"^\.\. auto(?:function|class|data):: gradaccum_jax\.(\w+)$", text, re.M)
+  documented = set(entries)
+  twice = sorted(n for n in documented if entries.count(n) > 1)
+  assert not twice, f"documented more than once in docs/api/*.md (Sphinx would warn): {twice}"
   missing = sorted(set(ga.__all__) - documented)
   assert not missing, f"public names without an API entry in docs/api/*.md: {missing}"
   assert not documented - set(ga.__all__), "docs/api/*.md documents names not in ga.__all__"

@@ -18,6 +18,7 @@ import gradaccum_jax as ga
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FAST_TESTS = {  # public name -> fast tests ("file::function") that use it as ga.<name>
+  "Accumulate": ["tests/test_fast_tier.py::test_public_classes_in_one_small_window"],
   "AccumulateState": ["tests/test_fast_tier.py::test_public_classes_in_one_small_window"],
   "DynamicLossScale": [
     "tests/test_fast_tier.py::test_public_classes_in_one_small_window",
@@ -35,6 +36,7 @@ def test_public_classes_in_one_small_window():
   tx = ga.accumulate(
     optax.sgd(0.1), 2, loss_scale=ga.DynamicLossScale(initial_scale=2.0**4), noise_scale_ema=0.9
   )
+  assert isinstance(tx, ga.Accumulate) and tx.num_microbatches == 2
   state = tx.init(params)
   assert isinstance(state, ga.AccumulateState)
   assert isinstance(state.loss_scale, ga.LossScaleState)
