@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -79,7 +80,10 @@ class EquivalenceReport:
       lines.append(f"  micro-batch weights that rebuild the whole batch: [{shown}{more}]")
     if self.reason is not None:
       text = f"likely reason ({self.cause}): {self.reason}"
-      lines.append(textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    "))
+      # A suggested ``lambda mb: ...`` stays on one line, to copy: its spaces do not break.
+      text = re.sub(r"lambda mb: \S+", lambda m: m.group(0).replace(" ", "\xa0"), text)
+      wrapped = textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    ")
+      lines.append(wrapped.replace("\xa0", " "))
     return "\n".join(lines)
 
 

@@ -80,6 +80,7 @@ def test_flags_a_token_mean_without_weight_fn_and_passes_with_it():
   assert report.mean_of_means_error > 1e-3
   text = str(report)
   assert "NOT equivalent" in text and "likely reason (weighting)" in text
+  assert "weight_fn=lambda mb: mb['mask'].sum()" in text  # not broken across lines
 
   fixed = ga.check_equivalence(token_xent, params, batch, k, weight_fn=count_tokens)
   assert fixed.ok, str(fixed)
