@@ -1,4 +1,4 @@
-"""Execute notebooks/gradient_accumulation.ipynb top to bottom, and check it is stored stripped."""
+"""Execute the notebooks top to bottom (at their small size), and check they are stored stripped."""
 
 import os
 import re
@@ -9,10 +9,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "gradient_accumulation.ipynb"
+NOTEBOOKS = {  # notebook: (text its outputs must contain, number of inline plots)
+  "gradient_accumulation.ipynb": (["max |params DP - single device|"], 2),
+  "token_weighted_lm.ipynb": (
+    [
+      "NOT equivalent",
+      "likely reason (weighting)",
+      "weight_fn=lambda mb: mb['mask'].sum()",
+      "(weighted by weight_fn) vs the whole batch: equivalent",
+      "on 8 devices",  # the data-parallel cell ran (conftest.py's 8 CPU devices)
+      "notebook ran in",
+    ],
+    1,
+  ),
+}
+paths = pytest.mark.parametrize(
+  "path", [ROOT / "notebooks" / n for n in NOTEBOOKS], ids=list(NOTEBOOKS)
+)
 
 
-def test_notebook_is_stripped():
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+@paths
+def test_notebook_is_stripped(path):
+  nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
   for cell in nb.cells:
     if cell.cell_type == "code":
@@ -30,10 +48,11 @@ def test_notebook_text_matches_code():
   assert stated == [steps], (stated, steps)
 
 
-def test_notebook_install_cell_works_before_a_release():
+@paths
+def test_notebook_install_cell_works_before_a_release(path):
   """The install cell installs from the repository (URL in one variable), only when the package
   is not importable (so it does nothing under this test), and keeps jax on a Colab TPU."""
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+  nb = nbformat.read(path, as_version=4)
   install = next(c.source for c in nb.cells if c.cell_type == "code")
   (repo,) = re.findall(r'^REPO = "(https://github\.com/[\w.-]+/[\w.-]+)"$', install, re.M)
   assert install.count(repo) == 1 and "git+{REPO}" in install
@@ -44,8 +63,15 @@ def test_notebook_install_cell_works_before_a_release():
   assert repo.removeprefix("https://github.com/") in intro  # the Colab badge: same repository
 
 
+def test_readme_links_every_notebook():
+  readme = (ROOT / "README.md").read_text()
+  for name in NOTEBOOKS:
+    assert f"(notebooks/{name})" in readme, name
+
+
 @pytest.mark.slow
-def test_notebook_runs(tmp_path, monkeypatch):
+@paths
+def test_notebook_runs(path, tmp_path, monkeypatch):
   nbclient = pytest.importorskip("nbclient")
   from ipykernel.kernelspec import install
 
@@ -56,29 +82,21 @@ def test_notebook_runs(tmp_path, monkeypatch):
   jupyter_path = [str(tmp_path / "share" / "jupyter"), os.environ.get("JUPYTER_PATH", "")]
   monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(p for p in jupyter_path if p))
   # The kernel imports this checkout's gradaccum_jax, installed or not; it inherits the
-  # environment, including conftest.py's 8 CPU devices, so the data-parallel cell is exercised.
+  # environment, including conftest.py's 8 CPU devices, so the data-parallel cells are exercised.
   python_path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in python_path if p))
+  monkeypatch.setenv("GA_NOTEBOOK_SMALL", "1")  # the CPU-sized run of notebooks that have one
 
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+  nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(
     nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
   )
   client.execute()  # raises nbclient.exceptions.CellExecutionError on the first failing cell
 
-  texts = [
-    out.get("text", "")
-    for cell in nb.cells
-    if cell.cell_type == "code"
-    for out in cell.outputs
-    if out.output_type == "stream"
-  ]
-  assert any("max |params DP - single device|" in t for t in texts)
-  images = [
-    out
-    for cell in nb.cells
-    if cell.cell_type == "code"
-    for out in cell.outputs
-    if "image/png" in out.get("data", {})
-  ]
-  assert len(images) == 2, "both plots must render inline"
+  outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+  text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+  expected, num_plots = NOTEBOOKS[path.name]
+  for snippet in expected:
+    assert snippet in text, snippet
+  images = [out for out in outputs if "image/png" in out.get("data", {})]
+  assert len(images) == num_plots, "every plot must render inline"
