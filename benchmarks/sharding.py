@@ -13,9 +13,23 @@ float32, random data, ``k`` micro-batches of ``b`` rows per device (global batch
               dimension divisible by the devices (FSDP/ZeRO layout): one all-gather before
               the loop, one reduce-scatter per param after it.
 
+Two more comparisons:
+
+  gather      for a params-dominated MLP (512-2048-2048-512, 2 rows per device per micro-batch,
+              every param sharded over ``data``): ``gather_params="once"`` against
+              ``"per_microbatch"`` across ``k``: XLA's per-device temp memory and total
+              (``compiled.memory_analysis()``), collectives and time per window.
+  streaming   one jitted call per micro-batch, ``k`` calls per window, params replicated:
+              ``plain_stream`` (``jax.jit`` of ``jax.value_and_grad`` + ``tx.update`` of
+              ``ga.accumulate`` on a micro-batch sharded ``P("data")``: GSPMD all-reduces the
+              gradient on every call) against ``ga.micro_step(..., mesh=mesh)`` (per-device
+              partial sums, one all-reduce in the call that closes the window).
+
 For each program the compiled HLO (``compiled.as_text()``) is parsed for collectives
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) inside while-loop
-bodies and outside them; "per window" counts a collective in the loop ``k`` times. Timing:
+bodies, inside the branches of a conditional, and elsewhere; "per window" counts a collective
+in the loop ``k`` times, and for the streaming programs a collective outside the conditional
+``k`` times, in its hold branch ``k - 1`` times and in its closing branch once. Timing:
 median wall ms per window (one optimizer step) up to ``jax.block_until_ready``, after
 warm-up, the methods interleaved round by round. The first window of every method is
 compared with ``naive`` (max abs param difference) as a sanity check.
@@ -74,8 +88,18 @@ from step_time import (  # noqa: E402
 LR = 1e-3
 METHODS = ("naive", "ga", "ga_sharded")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-FULL = {"layers": (784, 512, 512, 10), "b": 32, "ks": (4, 16), "rounds": 8, "windows": 3}
-SMOKE = {"layers": (16, 32, 8), "b": 2, "ks": (2,), "rounds": 1, "windows": 1}
+FULL = {
+  "layers": (784, 512, 512, 10), "b": 32, "ks": (4, 16), "rounds": 8, "windows": 3,
+  "gather": {"layers": (512, 2048, 2048, 512), "b": 2, "ks": (2, 4, 8), "rounds": 5, "windows": 2},
+  "streaming": {"layers": (784, 512, 512, 10), "b": 32, "ks": (4, 8), "rounds": 5, "windows": 2},
+}  # fmt: skip
+SMOKE = {
+  "layers": (16, 32, 8), "b": 2, "ks": (2,), "rounds": 1, "windows": 1,
+  "gather": {"layers": (16, 32, 8), "b": 2, "ks": (2,), "rounds": 1, "windows": 1},
+  "streaming": {"layers": (16, 32, 8), "b": 2, "ks": (2,), "rounds": 1, "windows": 1},
+}  # fmt: skip
+GATHERS = ("once", "per_microbatch")
+STREAMS = ("plain_stream", "micro_step")
 
 
 # --------------------------------------------------------------------------- HLO
@@ -108,15 +132,15 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
     if re.search(r"\swhile\(", line)
     for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
   ]
-  in_loop: set[str] = set()
-  while stack:
-    name = stack.pop()
-    if name in in_loop or name not in comps:
-      continue
-    in_loop.add(name)
-    for line in comps[name]:
-      for one, many in _CALLED.findall(line):
-        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
+  in_loop = _reachable(comps, stack)
+  # The branches of conditionals (lax.cond: branch 0 false, branch 1 true), and what they call.
+  branches = [
+    _reachable(comps, [name.strip().lstrip("%")])
+    for lines in comps.values()
+    for line in lines
+    if re.search(r"\sconditional\(", line)
+    for name in re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")
+  ]
   found = []
   for name, lines in comps.items():
     for m in map(_OP.match, lines):
@@ -127,8 +151,30 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
           for d in filter(None, dims.split(",")):
             n *= int(d)
           size += n * _DTYPE_BYTES.get(dtype, int(dtype[1:]) // 8 if dtype[1:].isdigit() else 4)
-        found.append({"op": m.group(2), "bytes": size, "in_loop": name in in_loop})
+        branch = [i for i, b in enumerate(branches) if name in b]
+        found.append(
+          {
+            "op": m.group(2),
+            "bytes": size,
+            "in_loop": name in in_loop,
+            "branch": branch[0] if branch else None,
+          }
+        )
   return found
+
+
+def _reachable(comps: dict[str, list[str]], roots: list[str]) -> set[str]:
+  seen: set[str] = set()
+  stack = list(roots)
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      for one, many in _CALLED.findall(line):
+        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
+  return seen
 
 
 def collective_summary(found: list[dict[str, Any]], k: int) -> dict[str, Any]:
@@ -235,6 +281,147 @@ def run_k(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   return {"k": k, "b": cfg["b"], "B": n * k * cfg["b"], "methods": result}
 
 
+def compiled_bytes(mem: Any) -> int:
+  """Per-device bytes of a compiled program: temp + arguments + outputs - aliased."""
+  return int(
+    mem.temp_size_in_bytes
+    + mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    - mem.alias_size_in_bytes
+  )
+
+
+def stream_summary(found: list[dict[str, Any]], k: int) -> dict[str, Any]:
+  """Collectives of one streaming call: outside the conditional every call, in its hold branch
+  (0) on k - 1 calls, in its closing branch (1) on one call per window."""
+
+  def where(c: dict[str, Any]) -> str:
+    return "every_call" if c["branch"] is None else ("hold" if c["branch"] == 0 else "close")
+
+  times = {"every_call": k, "hold": k - 1, "close": 1}
+  out: dict[str, Any] = {w: dict(Counter(c["op"] for c in found if where(c) == w)) for w in times}
+  out["per_window"] = sum(times[where(c)] for c in found)
+  out["bytes_per_window"] = sum(c["bytes"] * times[where(c)] for c in found)
+  return out
+
+
+def interleaved(steps: dict[str, Any], state: dict[str, Any], cfg: dict[str, Any]) -> dict:
+  """Median wall time per window of each method, the methods interleaved round by round.
+  ``steps[m](state) -> state`` runs one window."""
+  methods = list(steps)
+  samples: dict[str, list[float]] = {m: [] for m in methods}
+  for r in range(cfg["rounds"]):
+    for method in methods[r % len(methods) :] + methods[: r % len(methods)]:
+      for _ in range(cfg["windows"]):
+        t0 = time.perf_counter()
+        state[method] = jax.block_until_ready(steps[method](state[method]))
+        samples[method].append(time.perf_counter() - t0)
+  return {m: summarize(samples[m]) for m in methods}
+
+
+def run_gather(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
+  """gather_params="once" against "per_microbatch" for a params-dominated model."""
+  n = mesh.shape["data"]
+  params0 = init_params(jax.random.key(0), cfg["layers"])
+  batch = jax.device_put(
+    make_batch(jax.random.key(1), n * k * cfg["b"], cfg["layers"]), NamedSharding(mesh, P("data"))
+  )
+  specs = fsdp_specs(params0, n)
+  spec_tree = jax.tree.broadcast(specs, params0, is_leaf=lambda x: isinstance(x, P))
+  result, steps, state, first = {}, {}, {}, {}
+  for gather in GATHERS:
+    tx = ga.accumulate(optax.adam(LR), k)
+    params = jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params0, spec_tree
+    )
+    opt_state = jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, P())) if x.ndim == 0 else x, tx.init(params)
+    )
+    step = ga.train_step(loss_fn, tx, mesh=mesh, param_specs=specs, gather_params=gather)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    result[gather] = {
+      "compile_s": compile_s,
+      "temp_bytes": int(mem.temp_size_in_bytes),
+      "total_bytes": compiled_bytes(mem),
+      "collectives": collective_summary(hlo_collectives(compiled.as_text()), k),
+    }
+    p, s_, _ = jax.block_until_ready(step(params, opt_state, batch))
+    first[gather] = p
+    p, s_, _ = jax.block_until_ready(step(p, s_, batch))  # warm-up with the outputs' layout
+    steps[gather] = lambda st, step=step: step(st[0], st[1], batch)[:2]
+    state[gather] = (p, s_)
+  result["per_microbatch"]["first_window_max_abs_diff_vs_once"] = max_abs_diff(
+    first["per_microbatch"], first["once"]
+  )
+  for gather, stats in interleaved(steps, state, cfg).items():
+    result[gather].update(stats)
+  return {
+    "k": k,
+    "b": cfg["b"],
+    "B": n * k * cfg["b"],
+    "param_bytes": sum(int(x.size) * 4 for x in jax.tree.leaves(params0)),
+    "methods": result,
+  }
+
+
+def run_streaming(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
+  """One jitted call per micro-batch: a plain GSPMD step against ga.micro_step, replicated."""
+  n = mesh.shape["data"]
+  params0 = init_params(jax.random.key(0), cfg["layers"])
+  batch = make_batch(jax.random.key(1), n * k * cfg["b"], cfg["layers"])
+  mbs = [
+    jax.device_put(ga.microbatch(batch, i, k), NamedSharding(mesh, P("data"))) for i in range(k)
+  ]
+  replicate = lambda t: jax.device_put(t, NamedSharding(mesh, P()))  # noqa: E731
+  tx = ga.accumulate(optax.adam(LR), k)
+
+  @jax.jit
+  def plain(params, opt_state, mb):
+    grads = jax.grad(loss_fn)(params, mb)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  micro = ga.micro_step(loss_fn, tx, mesh=mesh)
+  calls = {"plain_stream": plain, "micro_step": lambda p, s, mb: micro(p, s, mb)[:2]}
+  inits = {
+    "plain_stream": replicate(tx.init(params0)),
+    "micro_step": micro.init(replicate(params0)),
+  }
+  lowered = {"plain_stream": plain.lower, "micro_step": micro.lower}
+  result, steps, state = {}, {}, {}
+  for method in STREAMS:
+    args = (replicate(params0), inits[method], mbs[0])
+    t0 = time.perf_counter()
+    compiled = lowered[method](*args).compile()
+    result[method] = {
+      "compile_s": time.perf_counter() - t0,
+      "collectives": stream_summary(hlo_collectives(compiled.as_text()), k),
+    }
+
+    def window(st, call=calls[method]):
+      p, s_ = st
+      for mb in mbs:
+        p, s_ = call(p, s_, mb)
+      return p, s_
+
+    state[method] = jax.block_until_ready(window(args[:2]))
+    result[method]["first"] = state[method][0]
+    state[method] = jax.block_until_ready(window(state[method]))  # warm-up
+    steps[method] = window
+  result["micro_step"]["first_window_max_abs_diff_vs_plain"] = max_abs_diff(
+    result["micro_step"].pop("first"), result["plain_stream"].pop("first")
+  )
+  for method, stats in interleaved(steps, state, cfg).items():
+    result[method].update(stats)
+  base = result["plain_stream"]["median_ms"]
+  for method in STREAMS:
+    result[method]["ratio_vs_plain"] = result[method]["median_ms"] / base
+  return {"k": k, "b": cfg["b"], "B": n * k * cfg["b"], "methods": result}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -261,6 +448,48 @@ def table(runs: list[dict[str, Any]]) -> str:
   return "\n".join(rows)
 
 
+MIB = 2**20
+
+
+def gather_table(runs: list[dict[str, Any]]) -> str:
+  rows = [
+    "| k | B | gather_params | temp MiB / device | total MiB / device | ms / window |"
+    " ratio to once | in loop body | outside the loop | MiB moved per window |",
+    "|---:|---:|---|---:|---:|---:|---:|---|---|---:|",
+  ]
+  for run in runs:
+    once = run["methods"]["once"]["median_ms"]
+    for gather in GATHERS:
+      m = run["methods"][gather]
+      c = m["collectives"]
+      rows.append(
+        f"| {run['k']} | {run['B']} | {gather} | {m['temp_bytes'] / MIB:.1f} |"
+        f" {m['total_bytes'] / MIB:.1f} | {m['median_ms']:.1f} | {m['median_ms'] / once:.2f} |"
+        f" {fmt_counts(c['in_loop'])} | {fmt_counts(c['outside_loop'])} |"
+        f" {c['bytes_per_window'] / MIB:.1f} |"
+      )
+  return "\n".join(rows)
+
+
+def stream_table(runs: list[dict[str, Any]]) -> str:
+  rows = [
+    "| k | B | method | ms / window | ratio | every call | hold branch | closing branch |"
+    " collectives per window | MiB moved per window |",
+    "|---:|---:|---|---:|---:|---|---|---|---:|---:|",
+  ]
+  for run in runs:
+    for method in STREAMS:
+      m = run["methods"][method]
+      c = m["collectives"]
+      rows.append(
+        f"| {run['k']} | {run['B']} | {method} | {m['median_ms']:.1f} |"
+        f" {m['ratio_vs_plain']:.2f} | {fmt_counts(c['every_call'])} |"
+        f" {fmt_counts(c['hold'])} | {fmt_counts(c['close'])} | {c['per_window']} |"
+        f" {c['bytes_per_window'] / MIB:.2f} |"
+      )
+  return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
@@ -272,26 +501,59 @@ def main(argv: Sequence[str] | None = None) -> int:
   mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
   t_start = time.perf_counter()
   info = machine_info(jax.devices()[0])
-  runs = []
+  runs, gather_runs, stream_runs = [], [], []
   for k in cfg["ks"]:
-    print(f"k={k} ...", flush=True)
+    print(f"train_step k={k} ...", flush=True)
     runs.append(run_k(cfg, mesh, k))
+  for k in cfg["gather"]["ks"]:
+    print(f"gather_params k={k} ...", flush=True)
+    gather_runs.append(run_gather(cfg["gather"], mesh, k))
+  for k in cfg["streaming"]["ks"]:
+    print(f"streaming k={k} ...", flush=True)
+    stream_runs.append(run_streaming(cfg["streaming"], mesh, k))
   total_s = time.perf_counter() - t_start
   model = "-".join(map(str, cfg["layers"]))
+  g, st = cfg["gather"], cfg["streaming"]
+  param_mib = gather_runs[0]["param_bytes"] / MIB
+  timing = (
+    "Median wall ms per window over {rounds} interleaved rounds x {windows} windows (a shared"
+    " CPU: noisy, compare the ratios of one run)."
+  )
   md = "\n".join(
     [
       f"# Data-parallel accumulation on {n} devices ({'smoke' if args.smoke else 'full'} run)",
       "",
       f"{info['cpu_model'] or info['platform_processor']}, os.cpu_count()="
       f"{info['os_cpu_count']}, {n} {info['backend']} devices; jax {info['jax']}, optax"
-      f" {info['optax']}; {info['date']}. MLP {model} relu, adam, float32, b={cfg['b']} rows"
-      f" per device per micro-batch, batch sharded P('data'). Median wall ms per window over"
-      f" {cfg['rounds']} interleaved rounds x {cfg['windows']} windows; ratio to naive in the"
-      f" same run. Collectives from the compiled HLO (a tuple all-reduce counts once; 'per"
-      f" window' counts a collective in the loop k times; MiB = their result sizes). Total"
-      f" run {total_s:.0f} s.",
+      f" {info['optax']}; {info['date']}. Total run {total_s:.0f} s.",
+      "",
+      "## Fused step: a plain GSPMD scan against ga.train_step(mesh=)",
+      "",
+      f"MLP {model} relu, adam, float32, b={cfg['b']} rows per device per micro-batch, batch"
+      f" sharded P('data'). {timing.format(**cfg)} Ratio to naive. Collectives from the"
+      " compiled HLO (a tuple all-reduce counts once; 'per window' counts a collective in the"
+      " loop k times; MiB = their result sizes).",
       "",
       table(runs),
+      "",
+      "## FSDP: gather_params='once' against 'per_microbatch'",
+      "",
+      f"MLP {'-'.join(map(str, g['layers']))} relu ({param_mib:.1f} MiB of float32 params,"
+      f" every param sharded over the {n} devices), adam, b={g['b']} rows per device per"
+      " micro-batch. temp / total MiB: XLA's per-device compiled.memory_analysis() (temp;"
+      " temp + arguments + outputs - aliased). MiB moved: result bytes of the collectives per"
+      f" window. {timing.format(**g)}",
+      "",
+      gather_table(gather_runs),
+      "",
+      "## Streaming: one jitted call per micro-batch",
+      "",
+      f"MLP {'-'.join(map(str, st['layers']))} relu, adam, params replicated, b={st['b']} rows"
+      " per device per micro-batch, k calls per window. Collectives of one call: outside the"
+      " conditional (every call), in its hold branch (k - 1 calls), in its closing branch (one"
+      f" call). {timing.format(**st)}",
+      "",
+      stream_table(stream_runs),
       "",
     ]
   )
@@ -300,9 +562,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   config = {**cfg, "devices": n, "smoke": args.smoke}
-  (out / "sharding.json").write_text(
-    json.dumps({"config": config, "machine": info, "runs": runs, "total_s": total_s}, indent=1)
-  )
+  result = {
+    "config": config,
+    "machine": info,
+    "runs": runs,
+    "gather_runs": gather_runs,
+    "stream_runs": stream_runs,
+    "total_s": total_s,
+  }
+  (out / "sharding.json").write_text(json.dumps(result, indent=1))
   (out / "sharding.md").write_text(md)
   return 0
 

@@ -99,6 +99,20 @@ def test_sharding_smoke(tmp_path):
     assert not methods["ga"]["collectives"]["in_loop"]
     assert methods["ga"]["collectives"]["outside_loop"] == {"all-reduce": 1}
     assert not methods["ga_sharded"]["collectives"]["in_loop"]
+  for run in result["gather_runs"]:  # FSDP policies: per micro-batch gathers in the loop
+    methods = run["methods"]
+    assert not methods["once"]["collectives"]["in_loop"]
+    assert set(methods["per_microbatch"]["collectives"]["in_loop"]) == {
+      "all-gather",
+      "reduce-scatter",
+    }
+    assert methods["per_microbatch"]["first_window_max_abs_diff_vs_once"] < 1e-4
+  for run in result["stream_runs"]:  # streaming: the plain step reduces every call, ours once
+    methods = run["methods"]
+    assert methods["plain_stream"]["collectives"]["every_call"]
+    assert not methods["micro_step"]["collectives"]["every_call"]
+    assert methods["micro_step"]["collectives"]["close"] == {"all-reduce": 1}
+    assert methods["micro_step"]["first_window_max_abs_diff_vs_plain"] < 1e-4
   assert "| naive |" in (tmp_path / "sharding.md").read_text()
 
 
