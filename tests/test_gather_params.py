@@ -10,6 +10,22 @@ import pytest
 from helpers import assert_trees_close, init_mlp, xent_loss
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_flax_mesh import (
+  LR,
+  LinenCNN,
+  NnxCNN,
+  TrainState,
+  fsdp_specs,
+  image_batch,
+  keys_as_data,
+  linen_reference,
+  nnx,
+  nnx_reference,
+  nnx_xent,
+  xent,
+)
+from test_flax_mesh import K as FLAX_K
+from test_flax_mesh import mesh as explicit_mesh
 from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put, shapes_of
 
 import gradaccum_jax as ga
@@ -335,3 +351,48 @@ def test_a_two_axis_mesh_without_a_data_axis_names_its_axes():
   tx = ga.accumulate(optax.sgd(0.1), 2)
   with pytest.raises(ValueError, match=r"data_axis='data'.*\{'batch': 4, 'model': 2\}"):
     ga.train_step(xent_loss, tx, mesh=mesh, param_specs=TP)
+
+
+# --- the Linen and NNX steps take the policy too -------------------------------------------------
+
+
+@pytest.mark.slow
+def test_linen_step_gathering_per_microbatch_matches_the_device_group_reference():
+  model, m, batch, rng = LinenCNN(), explicit_mesh(), image_batch(), jax.random.key(7)
+  variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
+  params, stats = variables["params"], variables["batch_stats"]
+  specs = fsdp_specs(params)
+  state = TrainState.create(
+    apply_fn=model.apply,
+    params=put(params, m, specs),
+    batch_stats=put(stats, m, P()),
+    tx=ga.accumulate(optax.adam(LR), FLAX_K),
+  )
+  step = ga.linen_train_step(
+    model, xent, train_kwargs={"train": True}, mesh=m, param_specs=specs,
+    gather_params="per_microbatch",
+  )  # fmt: skip
+  new_state, metrics = step(state, put(batch, m, P("data")), rng)
+  ref_params, ref_stats, ref_loss = linen_reference(model, params, stats, batch, rng)
+  assert_trees_close(new_state.params, ref_params)
+  assert_trees_close(new_state.batch_stats, ref_stats)
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_nnx_step_with_auto_gathering_matches_the_device_group_reference():
+  m, batch = explicit_mesh(), image_batch(1)
+  ref_params, ref_rest, ref_loss = nnx_reference(NnxCNN(), batch)
+  model = NnxCNN()
+  specs = fsdp_specs(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(LR), FLAX_K), wrt=nnx.Param)
+  step = ga.nnx_train_step(
+    nnx_xent, mesh=m, param_specs=specs, gather_params="auto", memory_budget_bytes=1
+  )
+  sharded = put(batch, m, P("data"))
+  assert step.chosen_gather_params(model, optimizer, sharded) == "per_microbatch"
+  metrics = step(model, optimizer, sharded)
+  assert_trees_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), ref_params)
+  new_rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+  assert_trees_close(keys_as_data(new_rest), keys_as_data(ref_rest))
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)

@@ -102,6 +102,30 @@ def test_without_a_mesh_it_equals_train_step_with_aux_and_does_not_retrace():
   chex.assert_tree_all_finite(p)
 
 
+@pytest.mark.slow
+def test_with_model_state_k_calls_thread_it_as_train_step_does():
+  k, m = 4, 0.5
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(8 * k)
+
+  def loss_fn(params, state, mb):  # a running mean of the inputs, and a counter
+    ema = m * state["ema"] + (1 - m) * jnp.mean(mb["x"], axis=0)
+    return xent_loss(params, mb), {"ema": ema, "steps": state["steps"] + 1}
+
+  model_state = {"ema": jnp.zeros(SIZES[0]), "steps": jnp.zeros((), jnp.int32)}
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  fused = ga.train_step(loss_fn, tx, has_state=True)
+  pf, sf, _, mf = fused(params, model_state, tx.init(params), batch)
+  step = ga.micro_step(loss_fn, tx, has_state=True)
+  p, s, state = params, model_state, step.init(params)
+  for i in range(k):
+    p, s, state, metrics = step(p, s, state, ga.microbatch(batch, i, k))
+  assert_trees_close(p, pf)
+  assert_trees_close(s, sf)
+  assert int(s["steps"]) == k
+  np.testing.assert_allclose(metrics["loss"], mf["loss"], rtol=1e-5)
+
+
 # --- on a mesh -------------------------------------------------------------------------------
 
 
