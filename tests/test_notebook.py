@@ -16,7 +16,7 @@ NOTEBOOKS = {  # notebook: (text its outputs must contain, number of inline plot
       "NOT equivalent",
       "likely reason (weighting)",
       "weight_fn=lambda mb: mb['mask'].sum()",
-      "(weighted by weight_fn) vs the whole batch: equivalent",
+      "loss of the first window: big batch",
       "on 8 devices",  # the data-parallel cell ran (conftest.py's 8 CPU devices)
       "notebook ran in",
     ],
