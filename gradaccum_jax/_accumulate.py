@@ -360,7 +360,7 @@ class _Accumulator:
     window with zero or non-finite total weight, or a non-finite mean gradient when
     ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state kept. With
     loss scaling, ``acc_grads`` holds scaled gradients. The inner optimizer runs at most once,
-    and only on a window that is applied (``_run_if``: XLA keeps one copy of its state).
+    and only on a window that is applied.
     One reduction, the squared norm of the mean, gives both the norm and the finiteness check
     (a norm past float32's range, above 1.8e19, counts as non-finite).
     """
@@ -378,16 +378,16 @@ class _Accumulator:
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, finite, nonempty)
 
-    def step(carry):
-      out, inner_state = carry
-      updates, inner_state = self._inner_update(mean, inner_state, params, extra_args)
-      return (optax.apply_updates(out, updates) if apply else updates), inner_state
-
-    if apply:
-      out = params
+    updates, inner_state = self._inner_update(mean, state.inner_state, params, extra_args)
+    if apply:  # the new params, or the old ones for a voided window
+      updates = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates)
     else:
-      out = jax.tree.map(jnp.zeros_like, jax.eval_shape(step, (None, state.inner_state))[0])
-    updates, inner_state = _run_if(ok, step, (out, state.inner_state))
+      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+    # A select, not a cond: XLA keeps no second copy of the state for the other branch (with
+    # the state donated, it copies the old one once to select from).
+    inner_state = jax.tree.map(
+      lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
+    )
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),

@@ -311,12 +311,9 @@ def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
     check_same_structure(params, state.acc_grads, "params")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    # The scan starts from zeros and the open window's sums are added once after it: the
-    # state's accumulator is then read once, not copied into the loop (it is donated).
-    zeros = jax.tree.map(jnp.zeros_like, state.acc_grads)
-    window = mg.sums(params, batch, rng, zeros, model_state, scale, num_real)
+    window = mg.sums(params, batch, rng, state.acc_grads, model_state, scale, num_real)
     sums = window.sums
-    acc_grads = jax.tree.map(jnp.add, state.acc_grads, sums.grads)
+    acc_grads = sums.grads  # the open window's sums and this batch's
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
       state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))

@@ -207,14 +207,3 @@ def test_a_micro_step_that_does_not_close_the_window_copies_no_state():
   batch = make_batch(jax.random.key(1), 8, d_in=64, num_classes=8)
   compiled = jax.jit(micro, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile()
   assert state_copies(compiled) == []
-
-
-def test_the_fused_step_does_not_copy_the_inner_optimizer_state():
-  """Before the inner update ran inside the 0-or-1-trip loop, jnp.where(ok, new, old) over its
-  state kept the old state alive and XLA copied mu and nu at the top level on every window."""
-  params = init_mlp(jax.random.key(0), (64, 128, 8))
-  tx = ga.accumulate(optax.adam(1e-3), 4)
-  step = ga.train_step(xent_loss, tx, donate=True)
-  batch = make_batch(jax.random.key(1), 16, d_in=64, num_classes=8)
-  copied = state_copies(step.lower(params, tx.init(params), batch).compile())
-  assert not [name for _, name in copied if "inner_state" in name], copied
