@@ -18,7 +18,7 @@ from gradaccum_jax._checks import (
   check_trainable,
   check_weight,
 )
-from gradaccum_jax._parts import Weighting, sq_norm
+from gradaccum_jax._parts import Weighting, add_gradients, mean_of, sq_norm
 
 Params = optax.Params
 Updates = optax.Updates
@@ -37,7 +37,10 @@ class AccumulateState(NamedTuple):
     updated: whether the last call closed a window and moved the parameters
       (bool). Read it with :func:`has_updated`.
     acc_grads: the weighted sum ``sum_i w_i g_i`` of the open window, in
-      ``accum_dtype``, with the structure of the parameters.
+      ``accum_dtype``, with the structure of the parameters. Leaves kept in a
+      float narrower than float32 (float16, bfloat16) hold the running weighted
+      mean ``sum_i w_i g_i / sum_i w_i`` instead, so that it stays
+      representable where the sum would overflow.
     acc_weight: the summed weight ``sum_i w_i`` of the open window (float32).
     inner_state: the state of the inner optimizer, which only changes when a
       window is applied.
@@ -127,8 +130,8 @@ def noise_estimates(
   """
   valid = (ns.num > 1.5) & (acc_weight > 0)
   weight = jnp.where(acc_weight > 0, acc_weight, 1.0)
-  denom = weight if scale is None else weight * scale  # acc_grads / denom is the mean gradient
-  gbar2 = sq_norm(jax.tree.map(lambda a: a.astype(jnp.float32) / denom, acc_grads))
+  gbar2 = sq_norm(mean_of(acc_grads, acc_weight))  # of the scaled gradients, with loss scaling
+  gbar2 = gbar2 if scale is None else gbar2 / scale**2
   mean_sq = ns.sq_sum / weight if scale is None else ns.sq_sum / weight / scale**2
   n1 = jnp.where(valid, ns.num - 1.0, 1.0)
   g2 = (ns.num * gbar2 - mean_sq) / n1
@@ -365,10 +368,10 @@ class _Accumulator:
     (a norm past float32's range, above 1.8e19, counts as non-finite).
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
-    denom = jnp.where(nonempty, acc_weight, 1.0)
+    mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0))
     if state.loss_scale is not None:
-      denom = denom * state.loss_scale.scale
-    mean = jax.tree.map(lambda a, g: (a / denom).astype(jnp.result_type(g)), acc_grads, grad_like)
+      mean = jax.tree.map(lambda m: m / state.loss_scale.scale, mean)
+    mean = jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
     sq = sq_norm(mean)
     ok = nonempty
     loss_scale = state.loss_scale
@@ -455,7 +458,7 @@ class _Accumulator:
     check_trainable(grads, "grads")
     wt = _UNWEIGHTED if weight is None else _WEIGHTED
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
-    acc = wt.add(state.acc_grads, grads, w)
+    acc = add_gradients(state.acc_grads, grads, w, state.acc_weight, wt)
     acc_weight = state.acc_weight + wt.total(w)
     if state.noise_scale is not None:
       state = state._replace(
@@ -593,7 +596,11 @@ def accumulate(
       streaming mode only) a schedule ``count -> int`` of the number of
       windows closed so far.
     accum_dtype: dtype of the accumulator, float32 by default whatever the
-      gradients' dtype; ``None`` accumulates in the gradients' dtype.
+      gradients' dtype; ``None`` accumulates in the gradients' dtype. Complex
+      gradients accumulate in the complex type of that precision (complex64
+      for float32). An accumulator narrower than float32 keeps the running
+      weighted mean (updated in float32), not the sum; it cannot be used with
+      ``mesh=``.
     skip_nonfinite: if True, a window whose mean gradient has a NaN or Inf
       (from any of its micro-batches) is voided: zero updates, inner state
       unchanged, ``num_skipped`` incremented. A window whose total weight is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,6 +27,8 @@ from gradaccum_jax._parts import (
   Off,
   Sums,
   SumsUnit,
+  is_running_mean,
+  mean_of,
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
 
@@ -135,19 +138,39 @@ class MicrobatchedGrad:
     model_state: Any = None,
     scale: jax.Array | None = None,
     num_real: jax.Array | None = None,
+    weight0: Any = 0.0,
   ) -> Window:
-    """The window sums of ``batch``, its gradients added to ``acc_init``; on a mesh if set."""
+    """The window sums of ``batch``, its gradients added to ``acc_init`` (which holds the
+    weight ``weight0`` already); on a mesh if set."""
     check_trainable(params)
     dp = self.options.parallel
     if dp is None:
-      return self.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
+      local = functools.partial(self.local_sums, weight0=weight0)
+      return local(params, batch, rng, acc_init, model_state, scale, num_real)
+    narrow = [jnp.result_type(a) for a in jax.tree.leaves(acc_init) if is_running_mean(a)]
+    if narrow:
+      raise ValueError(
+        f"A {narrow[0]} accumulator keeps running means, which the data-parallel reduction"
+        " does not combine: with mesh=, make the transformation with accum_dtype=jnp.float32"
+        " (the default)."
+      )
     return over_mesh(
       dp, self.local_sums, self.options.weighting, self.num_microbatches,
       params, batch, rng, acc_init, model_state, scale, num_real,
     )  # fmt: skip
 
   def local_sums(
-    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
+    self,
+    params,
+    batch,
+    rng,
+    acc_init,
+    model_state,
+    scale,
+    num_real,
+    vary=(),
+    per_micro=None,
+    weight0=0.0,
   ):
     """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes).
 
@@ -160,7 +183,7 @@ class MicrobatchedGrad:
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
-    sums_unit = SumsUnit(opts.weighting)
+    sums_unit = SumsUnit(opts.weighting, weight0)
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
     noise_unit = NoiseUnit(opts.weighting) if self.noise_scale else Off()
@@ -357,7 +380,7 @@ def value_and_grad(
       params, batch, rng, zeros_accumulator(params, accum_dtype), model_state, None, num_real
     )
     grads = jax.tree.map(
-      lambda a, p: safe_mean(a, w.sums.weight).astype(jnp.result_type(p)), w.sums.grads, params
+      lambda a, p: a.astype(jnp.result_type(p)), mean_of(w.sums.grads, w.sums.weight), params
     )
     loss, aux = w.means()
     return opts.loss.pack(loss, aux, w.model_state), grads

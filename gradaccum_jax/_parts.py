@@ -55,6 +55,59 @@ def sum_dtype(like: Any) -> Any:
   return jnp.promote_types(dtype, jnp.int32)
 
 
+def is_running_mean(acc: Any) -> bool:
+  """Whether an accumulator leaf keeps the running weighted mean instead of the sum.
+
+  Float leaves narrower than float32 (float16, bfloat16): their sum of ``k`` gradients (or a
+  large weight times a gradient) can overflow although the mean fits, so they keep
+  ``sum_i w_i g_i / sum_i w_i``, updated in float32, as ``optax.MultiSteps`` does.
+  """
+  dtype = jnp.result_type(acc)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
+  """``acc`` after one more micro-batch ``grads`` of weight ``w``, with ``weight`` the total
+  weight before it: sums for float32-or-wider leaves, running means for narrower ones."""
+
+  def one(a, g):
+    if not is_running_mean(a):
+      return wt.add(a, g, w)
+    new = weight + wt.total(w)
+    frac = jnp.where((w > 0) & (new > 0), w / jnp.where(new > 0, new, 1.0), 0.0)
+    step = frac * (jnp.asarray(g).astype(jnp.float32) - a.astype(jnp.float32))
+    return (a.astype(jnp.float32) + step).astype(a.dtype)
+
+  return jax.tree.map(one, acc, grads)
+
+
+def merge_gradients(acc: Any, weight: jax.Array, more: Any, more_weight: jax.Array) -> Any:
+  """Two accumulators of total weights ``weight`` and ``more_weight`` as one."""
+
+  def one(a, b):
+    if not is_running_mean(a):
+      return a + b.astype(a.dtype)
+    total = weight + more_weight
+    frac = jnp.where(total > 0, more_weight / jnp.where(total > 0, total, 1.0), 0.0)
+    return (a.astype(jnp.float32) + frac * (b.astype(jnp.float32) - a.astype(jnp.float32))).astype(
+      a.dtype
+    )
+
+  return jax.tree.map(one, acc, more)
+
+
+def mean_of(acc: Any, weight: jax.Array) -> Any:
+  """The mean gradient of an accumulator (in float32 or wider), 0 for a zero total weight."""
+  ok = weight > 0
+  denom = jnp.where(ok, weight, 1.0)
+
+  def one(a):
+    wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+    return wide if is_running_mean(a) else jnp.where(ok, wide / denom.astype(wide.dtype), 0)
+
+  return jax.tree.map(one, acc)
+
+
 def sq_norm(tree: Any) -> jax.Array:
   """The squared global norm of ``tree``, in float32 (``|z|^2`` for complex leaves)."""
   total = jnp.float32(0)
@@ -129,9 +182,14 @@ class Weighting:
 
 @dataclasses.dataclass(frozen=True)
 class SumsUnit:
-  """Gradient, weight, loss and aux sums (always on)."""
+  """Gradient, weight, loss and aux sums (always on).
+
+  ``weight0``: the weight already in the accumulator the scan starts from (a running-mean
+  leaf, see :func:`is_running_mean`, needs it).
+  """
 
   weighting: Weighting
+  weight0: Any = 0.0
 
   def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
     zeros = lambda s: jnp.zeros(jnp.shape(s), sum_dtype(s))  # noqa: E731
@@ -144,7 +202,8 @@ class SumsUnit:
     aux = jax.tree.map(
       lambda a, x: wt.add(a, x, w) if is_inexact(a) else wt.count(a, x, w), s.aux, m.aux
     )
-    return Sums(wt.add(s.grads, m.grads, w), s.weight + wt.total(w), wt.add(s.loss, m.loss, w), aux)
+    grads = add_gradients(s.grads, m.grads, w, self.weight0 + s.weight, wt)
+    return Sums(grads, s.weight + wt.total(w), wt.add(s.loss, m.loss, w), aux)
 
 
 class Off:

@@ -311,7 +311,9 @@ def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
     check_same_structure(params, state.acc_grads, "params")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    window = mg.sums(params, batch, rng, state.acc_grads, model_state, scale, num_real)
+    window = mg.sums(
+      params, batch, rng, state.acc_grads, model_state, scale, num_real, state.acc_weight
+    )
     sums = window.sums
     acc_grads = sums.grads  # the open window's sums and this batch's
     weight = state.acc_weight + sums.weight

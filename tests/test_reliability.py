@@ -312,3 +312,50 @@ def test_microbatch_index_out_of_range():
     ga.microbatch(jnp.arange(8), 5, 4)
   with pytest.raises(IndexError, match=r"index=-1"):
     ga.microbatch(jnp.arange(8), -1, 4)
+
+
+def test_low_precision_accumulators_keep_the_mean_representable():
+  """float16 accumulators (accum_dtype=None with float16 gradients) keep running means: 8
+  gradients of 2e4 (sum 1.6e5 > 65504) and a weight of 1000 on a gradient of 100 are applied."""
+  params = jnp.zeros(2, jnp.float16)
+  tx = ga.accumulate(optax.sgd(1.0), 8, accum_dtype=None)
+  state = tx.init(params)
+  assert state.acc_grads.dtype == jnp.float16
+  for _ in range(8):
+    updates, state = tx.update(jnp.full(2, 2e4, jnp.float16), state, params)
+  assert bool(state.updated)
+  np.testing.assert_allclose(np.asarray(updates, np.float32), -2e4, rtol=1e-3)
+
+  tx = ga.accumulate(optax.sgd(1.0), 2, accum_dtype=jnp.float16)
+  state = tx.init(params)
+  _, state = tx.update(jnp.full(2, 100.0, jnp.float16), state, params, weight=1000.0)
+  updates, state = tx.update(jnp.zeros(2, jnp.float16), state, params, weight=1.0)
+  assert bool(state.updated)
+  np.testing.assert_allclose(np.asarray(updates, np.float32), -1e5 / 1001, rtol=1e-3)
+
+  # The fused step and value_and_grad, and a window left open by streaming calls.
+  def loss_fn(p, mb):
+    return jnp.mean(mb[:, 0]) * jnp.sum(p.astype(jnp.float32)) * 2e4
+
+  batch = jnp.ones((16, 1))
+  tx = ga.accumulate(optax.sgd(1.0), 8, accum_dtype=None)
+  state = tx.init(params)
+  _, state = tx.update(jnp.full(2, 2e4, jnp.float16), state, params)  # one streaming call first
+  tx_step = ga.train_step(loss_fn, ga.accumulate(optax.sgd(1.0), 8, accum_dtype=None))
+  new_params, state, metrics = tx_step(params, state, batch)
+  assert bool(metrics["updated"])
+  np.testing.assert_allclose(np.asarray(new_params, np.float32), -2e4, rtol=1e-3)
+  loss, grads = ga.value_and_grad(loss_fn, 8, accum_dtype=None)(params, batch)
+  assert grads.dtype == jnp.float16
+  np.testing.assert_allclose(np.asarray(grads, np.float32), 2e4, rtol=1e-3)
+
+
+def test_low_precision_accumulators_on_a_mesh_are_refused():
+  from jax.sharding import AxisType
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  params = jnp.zeros(2, jnp.float16)
+  tx = ga.accumulate(optax.sgd(1.0), 2, accum_dtype=None)
+  step = ga.train_step(lambda p, mb: jnp.mean(mb @ p.astype(jnp.float32)), tx, mesh=mesh)
+  with pytest.raises(ValueError, match=r"float16 accumulator keeps running means.*accum_dtype"):
+    step(params, tx.init(params), jnp.ones((16, 2)))
