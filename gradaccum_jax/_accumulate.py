@@ -404,6 +404,16 @@ class _Accumulator:
     )
     return updates, new_state, jnp.sqrt(sq)
 
+  def _closer(self, params, grad_like, extra_args):
+    """``close((updates, state)) -> (updates, state)`` on the state's open window."""
+
+    def close(carry):
+      _, state = carry
+      acc, weight = state.acc_grads, state.acc_weight
+      return self.close(acc, weight, state, params, grad_like, extra_args)[:2]
+
+    return close
+
   def _inner_update(self, mean, inner_state, params, extra_args):
     """``inner.update`` on the window's mean gradient, with errors that say what ga passes."""
     extra_args = {k: (mean if v is MEAN_GRADIENT else v) for k, v in extra_args.items()}
@@ -471,10 +481,7 @@ class _Accumulator:
       micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
     )
 
-    def close(carry):
-      _, state = carry
-      acc, weight = state.acc_grads, state.acc_weight
-      return self.close(acc, weight, state, params, grad_like, extra_args)[:2]
+    close = self._closer(params, grad_like, extra_args)
 
     k = self.num_microbatches
     if isinstance(k, int) and k == 1:
@@ -490,10 +497,7 @@ class _Accumulator:
     state = self.check_state(state)
     grad_like = state.acc_grads if params is None else params
 
-    def close(carry):
-      _, state = carry
-      acc, weight = state.acc_grads, state.acc_weight
-      return self.close(acc, weight, state, params, grad_like, extra_args)[:2]
+    close = self._closer(params, grad_like, extra_args)
 
     held = state._replace(updated=jnp.zeros((), bool))
     return _run_if(state.micro_step > 0, close, _with_zero_updates(close, held))
