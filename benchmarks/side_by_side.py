@@ -212,6 +212,7 @@ def main(argv=None):
     "gradaccum_jax": ga.__version__, "rounds": rounds, "reps": reps, "k": args.k, "sizes": sizes,
   }  # fmt: skip
   md = (
+    "# Step time side by side\n\n"
     f"Side by side, k={args.k}, MLP {'-'.join(map(str, sizes))}; {meta['date']}, {meta['machine']},"
     f" jax {meta['jax']}, optax {meta['optax']}; medians of {rounds} rounds x {reps} windows,"
     " ratio to plain (min-max over rounds).\n\n" + table(rows) + "\n"
