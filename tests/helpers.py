@@ -1,4 +1,6 @@
-"""Shared test helpers: one tree comparison, a small model, data."""
+"""Shared test helpers: one tree comparison, a small model, data, reading compiled HLO."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +65,52 @@ def make_batch(key, batch_size, d_in=6, num_classes=3):
     "x": jax.random.normal(xk, (batch_size, d_in)),
     "y": jax.random.randint(yk, (batch_size,), 0, num_classes),
   }
+
+
+# --- reading a compiled HLO module --------------------------------------------------------------
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+_CALLED = re.compile(
+  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+  r"|branch_computations=\{([^}]*)\}"
+)
+
+
+def computations(hlo_text):
+  """{computation name: its instruction lines} of an HLO module's text."""
+  comps, current = {}, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and line.rstrip().endswith("{"):
+      current = comps.setdefault(header.group(1), [])
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  return comps
+
+
+def reachable(comps, roots):
+  """The computations ``roots`` are or call, transitively."""
+  seen, stack = set(), list(roots)
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      for one, many in _CALLED.findall(line):
+        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
+  return seen
+
+
+def in_while_loops(comps):
+  """The while bodies and conditions, and every computation they call (fusions, nested loops)."""
+  roots = [
+    name
+    for lines in comps.values()
+    for line in lines
+    if re.search(r"\swhile\(", line)
+    for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
+  ]
+  return reachable(comps, roots)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, xent_loss
+from helpers import assert_trees_close, computations, init_mlp, reachable, xent_loss
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_mesh import (
@@ -36,38 +36,6 @@ _OP = re.compile(
   r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all"
   r"|collective-permute)(?:-start)?\("
 )
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
-_CALLED = re.compile(
-  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
-  r"|branch_computations=\{([^}]*)\}"
-)
-
-
-def computations(hlo_text):
-  comps, current = {}, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = comps.setdefault(header.group(1), [])
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      current.append(line)
-  return comps
-
-
-def reachable(comps, roots):
-  """The computations ``roots`` are or call, transitively."""
-  seen, stack = set(), list(roots)
-  while stack:
-    name = stack.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      for one, many in _CALLED.findall(line):
-        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
-  return seen
 
 
 def loop_bodies(comps):

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, xent_loss
+from helpers import assert_trees_close, computations, init_mlp, reachable, xent_loss
 from jax.sharding import PartitionSpec as P
-from test_gather_params import _OP, computations, reachable
+from test_gather_params import _OP
 from test_sharding import (
   FSDP,
   SIZES,

@@ -7,7 +7,14 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batch, xent_loss
+from helpers import (
+  assert_trees_close,
+  computations,
+  in_while_loops,
+  init_mlp,
+  make_batch,
+  xent_loss,
+)
 
 import gradaccum_jax as ga
 
@@ -169,29 +176,16 @@ def test_unjitted_step_composes_with_user_jit():
 def state_copies(compiled):
   """Copies of arrays (not scalars, not of a zeros broadcast) outside every while loop: the
   ones that run on every call, whichever branch of a conditional is taken."""
-  hlo = compiled.as_text()
-  comps = {c.split(" ", 1)[0].lstrip("%"): c for c in re.split(r"\n(?=\S)", hlo)}
-  called = re.compile(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)")
-  stack = [
-    n
-    for c in comps.values()
-    if " while(" in c
-    for n in re.findall(r"(?:body|condition)=%([\w.\-]+)", c)
+  comps = computations(compiled.as_text())
+  in_loop = in_while_loops(comps)
+  copy = re.compile(r"= (\w+\[[\d,]+\])\S* copy\(%([^)]+)\)")
+  return [
+    (shape, operand)
+    for name, lines in comps.items()
+    if name not in in_loop
+    for shape, operand in copy.findall("\n".join(lines))
+    if "broadcast" not in operand and "constant" not in operand
   ]
-  in_loop = set()
-  while stack:
-    name = stack.pop()
-    if name not in in_loop and name in comps:
-      in_loop.add(name)
-      stack.extend(called.findall(comps[name]))
-  out = []
-  for name, body in comps.items():
-    if name in in_loop:
-      continue
-    for shape, operand in re.findall(r"= (\w+\[[\d,]+\])\S* copy\(%([^)]+)\)", body):
-      if "broadcast" not in operand and "constant" not in operand:
-        out.append((shape, operand))
-  return out
 
 
 def test_a_micro_step_that_does_not_close_the_window_copies_no_state():

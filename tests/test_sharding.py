@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batch, mlp, xent_loss
+from helpers import (
+  assert_trees_close,
+  computations,
+  in_while_loops,
+  init_mlp,
+  make_batch,
+  mlp,
+  xent_loss,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -270,45 +278,16 @@ COLLECTIVES = (
 _COLLECTIVE = re.compile(
   r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\("
 )
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
-_CALLED = re.compile(
-  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
-  r"|branch_computations=\{([^}]*)\}"
-)
 
 
 def collectives(hlo_text):
   """Every collective of a compiled HLO module: (op, result type, inside a while loop)."""
-  computations, current = {}, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = computations.setdefault(header.group(1), [])
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      current.append(line)
-  # The while bodies and conditions, and every computation they call (fusions, nested loops).
-  stack = [
-    name
-    for lines in computations.values()
-    for line in lines
-    if re.search(r"\swhile\(", line)
-    for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
-  ]
-  assert stack, "no while loop in the program"
-  in_loop = set()
-  while stack:
-    name = stack.pop()
-    if name in in_loop:
-      continue
-    in_loop.add(name)
-    for line in computations[name]:
-      for one, many in _CALLED.findall(line):
-        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
+  comps = computations(hlo_text)
+  in_loop = in_while_loops(comps)
+  assert in_loop, "no while loop in the program"
   return [
     (m.group(2), m.group(1), name in in_loop)
-    for name, lines in computations.items()
+    for name, lines in comps.items()
     for m in map(_COLLECTIVE.match, lines)
     if m
   ]
