@@ -27,9 +27,9 @@ Two more comparisons:
 
 For each program the compiled HLO (``compiled.as_text()``) is parsed for collectives
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) inside while-loop
-bodies, inside the branches of a conditional, and elsewhere; "per window" counts a collective
-in the loop ``k`` times, and for the streaming programs a collective outside the conditional
-``k`` times, in its hold branch ``k - 1`` times and in its closing branch once. Timing:
+bodies and elsewhere; "per window" counts a collective in the scan's loop ``k`` times, and for
+the streaming programs (whose only loop is the one of 0 or 1 trips that closes the window) a
+collective outside it ``k`` times and inside it once. Timing:
 median wall ms per window (one optimizer step) up to ``jax.block_until_ready``, after
 warm-up, the methods interleaved round by round. The first window of every method is
 compared with ``naive`` (max abs param difference) as a sanity check.
@@ -133,14 +133,6 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
     for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
   ]
   in_loop = _reachable(comps, stack)
-  # The branches of conditionals (lax.cond: branch 0 false, branch 1 true), and what they call.
-  branches = [
-    _reachable(comps, [name.strip().lstrip("%")])
-    for lines in comps.values()
-    for line in lines
-    if re.search(r"\sconditional\(", line)
-    for name in re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")
-  ]
   found = []
   for name, lines in comps.items():
     for m in map(_OP.match, lines):
@@ -151,15 +143,7 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
           for d in filter(None, dims.split(",")):
             n *= int(d)
           size += n * _DTYPE_BYTES.get(dtype, int(dtype[1:]) // 8 if dtype[1:].isdigit() else 4)
-        branch = [i for i, b in enumerate(branches) if name in b]
-        found.append(
-          {
-            "op": m.group(2),
-            "bytes": size,
-            "in_loop": name in in_loop,
-            "branch": branch[0] if branch else None,
-          }
-        )
+        found.append({"op": m.group(2), "bytes": size, "in_loop": name in in_loop})
   return found
 
 
@@ -292,13 +276,13 @@ def compiled_bytes(mem: Any) -> int:
 
 
 def stream_summary(found: list[dict[str, Any]], k: int) -> dict[str, Any]:
-  """Collectives of one streaming call: outside the conditional every call, in its hold branch
-  (0) on k - 1 calls, in its closing branch (1) on one call per window."""
+  """Collectives of one streaming call: outside the loop of 0 or 1 trips that closes the window
+  on every call, inside it on one call per window."""
 
   def where(c: dict[str, Any]) -> str:
-    return "every_call" if c["branch"] is None else ("hold" if c["branch"] == 0 else "close")
+    return "close" if c["in_loop"] else "every_call"
 
-  times = {"every_call": k, "hold": k - 1, "close": 1}
+  times = {"every_call": k, "close": 1}
   out: dict[str, Any] = {w: dict(Counter(c["op"] for c in found if where(c) == w)) for w in times}
   out["per_window"] = sum(times[where(c)] for c in found)
   out["bytes_per_window"] = sum(c["bytes"] * times[where(c)] for c in found)
@@ -473,9 +457,9 @@ def gather_table(runs: list[dict[str, Any]]) -> str:
 
 def stream_table(runs: list[dict[str, Any]]) -> str:
   rows = [
-    "| k | B | method | ms / window | ratio | every call | hold branch | closing branch |"
+    "| k | B | method | ms / window | ratio | every call | closing call |"
     " collectives per window | MiB moved per window |",
-    "|---:|---:|---|---:|---:|---|---|---|---:|---:|",
+    "|---:|---:|---|---:|---:|---|---|---:|---:|",
   ]
   for run in runs:
     for method in STREAMS:
@@ -484,7 +468,7 @@ def stream_table(runs: list[dict[str, Any]]) -> str:
       rows.append(
         f"| {run['k']} | {run['B']} | {method} | {m['median_ms']:.1f} |"
         f" {m['ratio_vs_plain']:.2f} | {fmt_counts(c['every_call'])} |"
-        f" {fmt_counts(c['hold'])} | {fmt_counts(c['close'])} | {c['per_window']} |"
+        f" {fmt_counts(c['close'])} | {c['per_window']} |"
         f" {c['bytes_per_window'] / MIB:.2f} |"
       )
   return "\n".join(rows)
@@ -550,8 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       "",
       f"MLP {'-'.join(map(str, st['layers']))} relu, adam, params replicated, b={st['b']} rows"
       " per device per micro-batch, k calls per window. Collectives of one call: outside the"
-      " conditional (every call), in its hold branch (k - 1 calls), in its closing branch (one"
-      f" call). {timing.format(**st)}",
+      " loop of 0 or 1 trips that closes the window (every call), inside it (the closing call)."
+      f" {timing.format(**st)}",
       "",
       stream_table(stream_runs),
       "",

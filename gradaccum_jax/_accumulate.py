@@ -354,6 +354,7 @@ class _Accumulator:
     grad_like: Updates,
     extra_args: dict[str, Any],
     apply: bool = False,
+    in_place: bool = False,
   ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
@@ -366,13 +367,21 @@ class _Accumulator:
     and only on a window that is applied.
     One reduction, the squared norm of the mean, gives both the norm and the finiteness check
     (a norm past float32's range, above 1.8e19, counts as non-finite).
+
+    ``in_place`` (with ``apply``, for params and state donated to the step): the inner update
+    runs in a loop of 0 or 1 trips, which writes the new params and inner state over the old
+    ones. Selects between new and old values (the default, best without donation, where the
+    results go to new buffers anyway) keep the old values alive while the new ones are
+    written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
-    mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0))
-    if state.loss_scale is not None:
-      mean = jax.tree.map(lambda m: m / state.loss_scale.scale, mean)
-    mean = jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
-    sq = sq_norm(mean)
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+
+    def mean_fn():  # a function, so that XLA fuses the mean into each of its uses
+      mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0), scale)
+      return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
+
+    sq = jnp.where(nonempty, sq_norm(mean_fn()), 0.0)
     ok = nonempty
     loss_scale = state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:
@@ -381,16 +390,25 @@ class _Accumulator:
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, finite, nonempty)
 
-    updates, inner_state = self._inner_update(mean, state.inner_state, params, extra_args)
-    if apply:  # the new params, or the old ones for a voided window
-      updates = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates)
+    if apply and in_place:
+
+      def run(carry):
+        p, inner = carry
+        updates, inner = self._inner_update(mean_fn(), inner, p, extra_args)
+        return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), inner
+
+      updates, inner_state = run_if(ok, run, (params, state.inner_state))
     else:
-      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-    # A select, not a cond: XLA keeps no second copy of the state for the other branch (with
-    # the state donated, it copies the old one once to select from).
-    inner_state = jax.tree.map(
-      lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
-    )
+      updates, inner_state = self._inner_update(mean_fn(), state.inner_state, params, extra_args)
+      if apply:  # the new params, or the old ones for a voided window
+        updates = jax.tree.map(
+          lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates
+        )
+      else:
+        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+      inner_state = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
+      )
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -486,7 +504,7 @@ class _Accumulator:
     k = self.num_microbatches
     if isinstance(k, int) and k == 1:
       return close((None, held))
-    return _run_if(
+    return run_if(
       micro_step >= self.window_size(state.count), close, _with_zero_updates(close, held)
     )
 
@@ -500,7 +518,7 @@ class _Accumulator:
     close = self._closer(params, grad_like, extra_args)
 
     held = state._replace(updated=jnp.zeros((), bool))
-    return _run_if(state.micro_step > 0, close, _with_zero_updates(close, held))
+    return run_if(state.micro_step > 0, close, _with_zero_updates(close, held))
 
 
 def _with_zero_updates(close: Any, state: AccumulateState) -> tuple[Updates, AccumulateState]:
@@ -509,7 +527,7 @@ def _with_zero_updates(close: Any, state: AccumulateState) -> tuple[Updates, Acc
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), state
 
 
-def _run_if(pred: jax.Array, fn: Any, carry: Any) -> Any:
+def run_if(pred: jax.Array, fn: Any, carry: Any) -> Any:
   """``fn(carry)`` if ``pred``, else ``carry``, without copying ``carry``.
 
   A ``lax.cond`` whose other branch passes the carry through makes XLA copy every array of it

@@ -11,7 +11,13 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._accumulate import MEAN_GRADIENT, Accumulate, AccumulateState, as_accumulate
+from gradaccum_jax._accumulate import (
+  MEAN_GRADIENT,
+  Accumulate,
+  AccumulateState,
+  as_accumulate,
+  run_if,
+)
 from gradaccum_jax._checks import check_batch, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
 from gradaccum_jax._options import Options, make_options
@@ -259,7 +265,16 @@ class MicroStep:
     )
     state = _with_partials(state, partial, noise)
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
-    return jax.lax.cond(emit, self._close, self._hold, params, new_model_state, model_state, state)
+    # Held unless the window closes: a loop of 0 or 1 trips updates the state in place, where
+    # the pass-through branch of a lax.cond would copy all of it (the inner optimizer's state
+    # included) on every call.
+    held = self._hold(params, new_model_state, state)
+
+    def close(carry):
+      params, new_model_state, state, _ = carry
+      return self._close(params, new_model_state, model_state, state)
+
+    return run_if(emit, close, held)
 
   def _add_local(self, params, mb, rng, partial, noise, model_state, scale):
     w = self._mg.local_sums(params, mb, rng, _zeros_like(partial.grads), model_state, scale, None)
@@ -382,9 +397,8 @@ class MicroStep:
       )
     return new_params, new_model_state, new_state, metrics
 
-  def _hold(self, params, new_model_state, model_state, state):
+  def _hold(self, params, new_model_state, state):
     """A call inside the window: the sums stay on their devices; metrics are NaN."""
-    del model_state
     acc_state = state.accumulate
     new_acc = acc_state._replace(
       micro_step=optax.safe_increment(acc_state.micro_step), updated=jnp.zeros((), bool)
@@ -443,7 +457,7 @@ def micro_step(
   ``data_axis``; weights are global over devices and calls) to its own slot of
   the state, with no gradient collective: only the call that closes the window
   reduces the slots (one all-reduce; one reduce-scatter per data-sharded param
-  of ``param_specs``), inside the ``lax.cond`` branch that closes it. A plain
+  of ``param_specs``), inside the loop of 0 or 1 trips that closes it. A plain
   ``jax.jit`` of ``value_and_grad`` + ``tx.update`` on a sharded micro-batch
   all-reduces the gradient on every call.
 

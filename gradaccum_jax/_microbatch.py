@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -138,15 +137,13 @@ class MicrobatchedGrad:
     model_state: Any = None,
     scale: jax.Array | None = None,
     num_real: jax.Array | None = None,
-    weight0: Any = 0.0,
   ) -> Window:
-    """The window sums of ``batch``, its gradients added to ``acc_init`` (which holds the
-    weight ``weight0`` already); on a mesh if set."""
+    """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros, or sums in
+    float32 or wider: a narrower leaf keeps a running mean from zero); on a mesh if set."""
     check_trainable(params)
     dp = self.options.parallel
     if dp is None:
-      local = functools.partial(self.local_sums, weight0=weight0)
-      return local(params, batch, rng, acc_init, model_state, scale, num_real)
+      return self.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
     narrow = [jnp.result_type(a) for a in jax.tree.leaves(acc_init) if is_running_mean(a)]
     if narrow:
       raise ValueError(
@@ -170,7 +167,6 @@ class MicrobatchedGrad:
     num_real,
     vary=(),
     per_micro=None,
-    weight0=0.0,
   ):
     """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes).
 
@@ -183,7 +179,7 @@ class MicrobatchedGrad:
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
-    sums_unit = SumsUnit(opts.weighting, weight0)
+    sums_unit = SumsUnit(opts.weighting)
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
     noise_unit = NoiseUnit(opts.weighting) if self.noise_scale else Off()

@@ -96,14 +96,21 @@ def merge_gradients(acc: Any, weight: jax.Array, more: Any, more_weight: jax.Arr
   return jax.tree.map(one, acc, more)
 
 
-def mean_of(acc: Any, weight: jax.Array) -> Any:
-  """The mean gradient of an accumulator (in float32 or wider), 0 for a zero total weight."""
+def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
+  """The mean gradient of an accumulator (in float32 or wider), divided by the loss ``scale``
+  if given; 0 for a zero total weight (a zero accumulator: weights <= 0 add nothing).
+
+  A multiplication by one scalar per leaf, which XLA fuses into the reduction of a norm (a
+  division with a select would be written out first).
+  """
   ok = weight > 0
-  denom = jnp.where(ok, weight, 1.0)
+  inv = jnp.where(ok, 1.0 / jnp.where(ok, weight, 1.0), 0.0).astype(jnp.float32)
+  unscale = jnp.float32(1) if scale is None else 1.0 / scale.astype(jnp.float32)
 
   def one(a):
     wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-    return wide if is_running_mean(a) else jnp.where(ok, wide / denom.astype(wide.dtype), 0)
+    factor = unscale if is_running_mean(a) else inv * unscale
+    return wide * factor.astype(jnp.real(wide).dtype)
 
   return jax.tree.map(one, acc)
 
@@ -182,14 +189,9 @@ class Weighting:
 
 @dataclasses.dataclass(frozen=True)
 class SumsUnit:
-  """Gradient, weight, loss and aux sums (always on).
-
-  ``weight0``: the weight already in the accumulator the scan starts from (a running-mean
-  leaf, see :func:`is_running_mean`, needs it).
-  """
+  """Gradient, weight, loss and aux sums (always on)."""
 
   weighting: Weighting
-  weight0: Any = 0.0
 
   def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
     zeros = lambda s: jnp.zeros(jnp.shape(s), sum_dtype(s))  # noqa: E731
@@ -202,7 +204,7 @@ class SumsUnit:
     aux = jax.tree.map(
       lambda a, x: wt.add(a, x, w) if is_inexact(a) else wt.count(a, x, w), s.aux, m.aux
     )
-    grads = add_gradients(s.grads, m.grads, w, self.weight0 + s.weight, wt)
+    grads = add_gradients(s.grads, m.grads, w, s.weight, wt)
     return Sums(grads, s.weight + wt.total(w), wt.add(s.loss, m.loss, w), aux)
 
 

@@ -17,11 +17,12 @@ from gradaccum_jax._accumulate import (
   as_accumulate,
   noise_estimates,
   noise_scale,
+  run_if,
 )
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import NoiseSums
+from gradaccum_jax._parts import NoiseSums, merge_gradients
 from gradaccum_jax._sharding import AutoGatherStep, place_params
 
 
@@ -246,12 +247,12 @@ def train_step(
     if not jit:
       raise ValueError("train_step: gather_params='auto' compiles the step, so it needs jit=True.")
     steps = {
-      g: wrap_step(fused_step(opts.with_gather(g), acc), has_state=opts.has_state, donate=donate,
+      g: wrap_step(fused_step(opts.with_gather(g), acc, donate), has_state=opts.has_state, donate=donate,
                    jit=True, k=lambda args: k)
       for g in ("once", "per_microbatch")
     }  # fmt: skip
     return AutoGatherStep(steps, opts.parallel.budget)
-  fused = fused_step(opts, acc)
+  fused = fused_step(opts, acc, in_place=donate and jit)
   return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=jit, k=lambda args: k)
 
 
@@ -298,9 +299,12 @@ class JitStep:
     return getattr(self._jitted, name)
 
 
-def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
+def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callable[..., Any]:
   """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
-  metrics)``: one window, scanned and closed; the core every fused front end calls."""
+  metrics)``: one window, scanned and closed; the core every fused front end calls.
+
+  ``in_place``: the params and state are donated to the step (see ``_Accumulator.close``).
+  """
   acc = tx.settings
   k = tx.fixed_num_microbatches("train_step")
   mg = MicrobatchedGrad(opts, k, noise_scale=acc.noise_scale_ema is not None)
@@ -311,19 +315,19 @@ def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
     check_same_structure(params, state.acc_grads, "params")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    window = mg.sums(
-      params, batch, rng, state.acc_grads, model_state, scale, num_real, state.acc_weight
-    )
+    zeros = jax.tree.map(jnp.zeros_like, state.acc_grads)
+    window = mg.sums(params, batch, rng, zeros, model_state, scale, num_real)
     sums = window.sums
-    acc_grads = sums.grads  # the open window's sums and this batch's
+    acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_place)
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
       state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     new_params, new_state, grad_norm = acc.close(
-      acc_grads, weight, state, params, params, extra, apply=True
+      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place
     )
+    new_state = new_state._replace(acc_grads=cleared)
     new_params = place_params(dp, new_params)
     if dp is not None:
       new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
@@ -338,6 +342,29 @@ def fused_step(opts: Options, tx: Accumulate) -> Callable[..., Any]:
     return new_params, new_model_state, new_state, metrics
 
   return fused
+
+
+def merge_open_window(
+  state: AccumulateState, grads: Any, weight: jax.Array, in_place: bool
+) -> tuple[Any, Any]:
+  """``(the window's gradient sums, the accumulator for the new state)``: ``grads`` (of total
+  weight ``weight``) with the sums of a window left open by streaming calls added, and zeros.
+
+  ``in_place`` (the state donated): the state's accumulator is only read and cleared when a
+  window is open (``state.micro_step > 0``); otherwise it holds zeros (every window that
+  closes clears it) and passes through a loop of 0 trips untouched, where reading it and
+  writing the new zeros over it made XLA copy it first. Without donation the output is a new
+  buffer anyway, and a loop would hold a copy of the accumulator.
+  """
+
+  def merge(carry):
+    grads, acc = carry
+    merged = merge_gradients(acc, state.acc_weight, grads, weight)
+    return merged, jax.tree.map(jnp.zeros_like, acc)
+
+  if not in_place:
+    return merge((grads, state.acc_grads))
+  return run_if(state.micro_step > 0, merge, (grads, state.acc_grads))
 
 
 def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts) -> dict:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, computations, init_mlp, reachable, xent_loss
+from helpers import assert_trees_close, computations, in_while_loops, init_mlp, xent_loss
 from jax.sharding import PartitionSpec as P
 from test_gather_params import _OP
 from test_sharding import (
@@ -154,44 +154,37 @@ def test_on_a_mesh_weighted_with_uneven_tokens_per_device_equals_the_big_batch_s
       assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, spec)
 
 
-def branch_collectives(hlo_text):
-  """Every collective: (op, shapes, index of the conditional branch it is in, or None)."""
+def loop_collectives(hlo_text):
+  """Every collective: (op, shapes, whether it is inside a while loop)."""
   comps = computations(hlo_text)
-  conds = [line for lines in comps.values() for line in lines if " conditional(" in line]
-  assert len(conds) <= 1, conds  # micro_step: one lax.cond, close the window or hold
-  names = [
-    n.strip().lstrip("%")
-    for line in conds
-    for n in re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")
+  loops = in_while_loops(comps)
+  return [
+    (m.group(2), shapes_of(m.group(1)), name in loops)
+    for name, lines in comps.items()
+    for m in filter(None, map(_OP.match, lines))
   ]
-  branches = [reachable(comps, [n]) for n in names]
-  found = []
-  for name, lines in comps.items():
-    for m in filter(None, map(_OP.match, lines)):
-      where = [i for i, b in enumerate(branches) if name in b]
-      found.append((m.group(2), shapes_of(m.group(1)), where[0] if where else None))
-  return found
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
-def test_gradient_reductions_run_only_in_the_branch_that_closes_the_window(specs):
+def test_gradient_reductions_run_only_in_the_loop_that_closes_the_window(specs):
+  """The window closes in a while loop of 0 or 1 trips (the program's only loop): a call
+  inside the window runs it 0 times, so its collectives run once per window."""
   mesh, k = mesh_1d(), 4
   params = init_mlp(jax.random.key(0), SIZES)
   tx = ga.accumulate(optax.adam(1e-2), k)
   step = ga.micro_step(xent_loss, tx, mesh=mesh, param_specs=specs)
   p = put(params, mesh, P() if specs is None else specs)
   mb = put(ga.microbatch(data(D * k), 0, k), mesh, P("data"))
-  found = branch_collectives(step.lower(p, step.init(p), mb).compile().as_text())
-  assert {where for _, _, where in found} >= {1}, found  # there is a closing branch
+  text = step.lower(p, step.init(p), mb).compile().as_text()
+  assert len(re.findall(r"\swhile\(", text)) == 1  # the closing loop, nothing else
+  found = loop_collectives(text)
   sized = [c for c in found if c[0] in ("all-reduce", "reduce-scatter") and any(c[1])]
-  # lax.cond lowers to branches (false, true): index 1 closes the window.
-  assert sized and all(where == 1 for _, _, where in sized), found
-  assert not [c for c in found if c[2] == 0], found  # calls inside the window: no collective
-  outside = [op for op, _, where in found if where is None]
+  assert sized and all(in_loop for _, _, in_loop in sized), found
+  outside = [op for op, _, in_loop in found if not in_loop]
   assert set(outside) <= {"all-gather"}, found  # FSDP: the params, gathered every call
   if specs is None:
-    assert [(op, where) for op, _, where in found] == [("all-reduce", 1)], found
+    assert [(op, in_loop) for op, _, in_loop in found] == [("all-reduce", True)], found
 
 
 @pytest.mark.slow
@@ -208,8 +201,8 @@ def test_a_plain_gspmd_streaming_step_all_reduces_every_call():
     return optax.apply_updates(params, updates), state
 
   mb = put(ga.microbatch(data(D * k), 0, k), mesh, P("data"))
-  found = branch_collectives(plain.lower(params, tx.init(params), mb).compile().as_text())
-  assert [c for c in found if c[0] == "all-reduce" and any(c[1]) and c[2] is None], found
+  found = loop_collectives(plain.lower(params, tx.init(params), mb).compile().as_text())
+  assert [c for c in found if c[0] == "all-reduce" and any(c[1]) and not c[2]], found
 
 
 # --- checkpoints: layouts and meshes -----------------------------------------------------------

@@ -201,3 +201,103 @@ def test_a_micro_step_that_does_not_close_the_window_copies_no_state():
   batch = make_batch(jax.random.key(1), 8, d_in=64, num_classes=8)
   compiled = jax.jit(micro, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile()
   assert state_copies(compiled) == []
+
+
+def min_scan_step(inner, k):
+  """The floor to compare with: a hand-written scan of the micro-batch gradients, their mean,
+  one inner update; no weights, checks, metrics or accumulator in a state."""
+
+  def step(params, state, batch):
+    def body(acc, i):
+      mb = ga.microbatch(batch, i, k)
+      return jax.tree.map(jnp.add, acc, jax.grad(xent_loss)(params, mb)), None
+
+    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
+    updates, state = inner.update(jax.tree.map(lambda a: a / k, acc), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+@pytest.mark.slow
+def test_the_donated_fused_step_copies_no_state_and_needs_the_memory_of_a_minimal_scan(
+  params_shape,
+):
+  """Donated, the accumulator passes through untouched (no open window) and the inner update
+  writes params, mu and nu in place: no array is copied outside the loops, and the compiled
+  temp memory is at most the hand-written minimal scan's, donated too (before: 76.4 MiB
+  against its 62.1 MiB, the accumulator, mu and nu copied every window)."""
+  k = 8
+  tx = ga.accumulate(optax.adam(1e-3), k)
+  state = jax.eval_shape(tx.init, params_shape)
+  batch = shapes(k * B_MICRO)
+  ours = ga.train_step(xent_loss, tx, donate=True).lower(params_shape, state, batch).compile()
+  assert state_copies(ours) == []
+  inner = optax.adam(1e-3)
+  floor = (
+    jax.jit(min_scan_step(inner, k), donate_argnums=(0, 1))
+    .lower(params_shape, jax.eval_shape(inner.init, params_shape), batch)
+    .compile()
+  )
+  scalars = 4096  # the metrics, counters and flags: a few hundred bytes
+  assert 0 < temp_bytes(ours) <= temp_bytes(floor) + scalars, (temp_bytes(ours), temp_bytes(floor))
+  # Without donation the selects write new buffers: no more than the undonated floor either.
+  plain = ga.train_step(xent_loss, tx).lower(params_shape, state, batch).compile()
+  undonated_floor = (
+    jax.jit(min_scan_step(inner, k))
+    .lower(params_shape, jax.eval_shape(inner.init, params_shape), batch)
+    .compile()
+  )
+  assert temp_bytes(plain) <= temp_bytes(undonated_floor) + scalars
+
+
+def nan_batch(batch):
+  return {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)}
+
+
+@pytest.mark.parametrize("open_window", [False, True], ids=["closed", "open"])
+def test_donated_and_undonated_steps_agree_on_voided_good_and_open_windows(open_window):
+  """The donated step updates in place (a loop of 0 or 1 trips), the undonated one selects:
+  a voided window leaves params and inner state exactly as they were in both, a good window
+  gives the same result, and a window left open by streaming calls is merged by both."""
+  k = 4
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  params = init_mlp(jax.random.key(0))
+  good = make_batch(jax.random.key(1), 4 * k)
+  state = tx.init(params)
+  if open_window:  # two streaming micro-steps of another batch: the window is open
+    for i in range(2):
+      mb = ga.microbatch(make_batch(jax.random.key(2), 2 * k), i, k)
+      _, state = tx.update(jax.grad(xent_loss)(params, mb), state, params)
+    assert int(state.micro_step) == 2
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (donation consumes the input)
+  results = {}
+  for donate in (False, True):
+    step = ga.train_step(xent_loss, tx, donate=donate)
+    p, s, m = step(copy(params), copy(state), nan_batch(good))
+    assert not bool(m["updated"]) and int(s.num_skipped) == 1 and int(s.count) == 1
+    assert_trees_close(p, params, rtol=0, atol=0)
+    assert_trees_close(s.inner_state, state.inner_state, rtol=0, atol=0)
+    assert int(s.micro_step) == 0 and float(s.acc_weight) == 0.0
+    assert all(not jnp.any(a) for a in jax.tree.leaves(s.acc_grads))  # the window is cleared
+    results[donate] = step(copy(params), copy(state), good)
+    assert bool(results[donate][2]["updated"])
+  assert_trees_close(results[True][:2], results[False][:2], rtol=1e-6, atol=1e-7)
+  if open_window:  # the reference: the open window's micro-batches and the batch's, weighed 1
+    streamed = [ga.microbatch(make_batch(jax.random.key(2), 2 * k), i, k) for i in range(2)]
+    mbs = streamed + [ga.microbatch(good, i, k) for i in range(k)]
+    grads = [jax.grad(xent_loss)(params, mb) for mb in mbs]
+    mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+    inner = optax.adam(1e-2)
+    updates, _ = inner.update(mean, inner.init(params), params)
+    assert_trees_close(results[True][0], optax.apply_updates(params, updates), rtol=1e-5)
+
+
+def test_a_ga_micro_step_that_does_not_close_the_window_copies_no_state():
+  """ga.micro_step closes the window in a loop of 0 or 1 trips, as tx.update does: its calls
+  inside the window copy no array of the state."""
+  params = init_mlp(jax.random.key(0), (64, 128, 8))
+  tx = ga.accumulate(optax.adam(1e-3), 4)
+  step = ga.micro_step(xent_loss, tx, donate=True)
+  mb = make_batch(jax.random.key(1), 8, d_in=64, num_classes=8)
+  assert state_copies(step.lower(params, step.init(params), mb).compile()) == []
