@@ -356,7 +356,7 @@ def linen_train_step(
     opts = dataclasses.replace(
       options, loss=LossSpec(loss, True, True), batchnorm_momentum=momentum
     )
-    params, new_stats, opt_state, metrics = fused_step(opts, tx)(
+    params, new_stats, opt_state, metrics = fused_step(opts, tx, in_place=donate and jit)(
       train_state.params, stats, train_state.opt_state, batch, rng, num_real_microbatches
     )
     if not has_aux:

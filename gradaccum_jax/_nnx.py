@@ -230,7 +230,7 @@ def nnx_train_step(
       options, loss=LossSpec(pure_loss, True, True), batchnorm_momentum=momentum
     )
     opt_state = nnx.as_pure(optimizer.opt_state)
-    new_params, new_rest, new_opt_state, metrics = fused_step(opts, tx)(
+    new_params, new_rest, new_opt_state, metrics = fused_step(opts, tx, in_place=donate)(
       params, rest, opt_state, batch, None, num_real_microbatches
     )
     if not has_aux:

@@ -281,3 +281,28 @@ def test_errors_name_the_problem():
   opt2 = nnx.Optimizer(two, ga.accumulate(optax.sgd(0.1), K), wrt=nnx.Param)
   with pytest.raises(ValueError, match=r"different ones \(bn: 0.9, bn2: 0.5\)"):
     ga.nnx_train_step(xent, batchnorm="per_window")(two, opt2, batch)
+
+
+@pytest.mark.slow
+def test_donated_step_voids_a_bad_window_in_place_and_matches_the_undonated_step():
+  """donate=True updates params and optimizer state in place (a loop of 0 or 1 trips): a
+  window with a NaN leaves both exactly as they were, and good windows equal donate=False."""
+  inner = optax.adam(1e-2)
+  bad = make_batch(jax.random.key(1), B)
+  bad["x"] = bad["x"].at[0, 0].set(jnp.nan)
+  good = make_batch(jax.random.key(2), B)
+  results = []
+  for donate in (False, True):
+    model = MLP()
+    optimizer = nnx.Optimizer(model, ga.accumulate(inner, K), wrt=nnx.Param)
+    step = ga.nnx_train_step(xent, donate=donate)
+    before = params_of(model), nnx.to_pure_dict(nnx.state(optimizer.opt_state))
+    before = jax.tree.map(jnp.copy, before)  # the arrays themselves are donated
+    metrics = step(model, optimizer, bad)
+    assert not bool(metrics["updated"]) and int(optimizer.opt_state.num_skipped[...]) == 1
+    assert_trees_close(params_of(model), before[0], rtol=0, atol=0)
+    inner_after = nnx.to_pure_dict(nnx.state(optimizer.opt_state))["inner_state"]
+    assert_trees_close(inner_after, before[1]["inner_state"], rtol=0, atol=0)
+    assert bool(step(model, optimizer, good)["updated"])
+    results.append(params_of(model))
+  assert_trees_close(results[1], results[0], rtol=1e-6, atol=1e-7)

@@ -31,18 +31,26 @@ def bn_loss(params, state, mb):
   return -jnp.mean(jnp.take_along_axis(logp, mb["y"][:, None], axis=1)), new
 
 
+def copy(tree):
+  """A copy to donate, so the original can be compared with."""
+  return jax.tree.map(jnp.copy, tree)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True], ids=["selects", "donated_in_place"])
 @pytest.mark.parametrize("mode", ["sequential", "per_window", "frozen"])
-def test_a_voided_window_leaves_model_state_params_and_optimizer_state_as_they_were(mode):
+def test_a_voided_window_leaves_model_state_params_and_optimizer_state_as_they_were(mode, donate):
   params = init_mlp(jax.random.key(0), (6, 3))
   mstate = {"bn": {"mean": jnp.full(3, 0.5), "var": jnp.full(3, 2.0)}}
   tx = ga.accumulate(optax.adam(1e-2), K)
   momentum = 0.9 if mode == "per_window" else None
-  step = ga.train_step(bn_loss, tx, has_state=True, batchnorm=mode, batchnorm_momentum=momentum)
+  step = ga.train_step(
+    bn_loss, tx, has_state=True, batchnorm=mode, batchnorm_momentum=momentum, donate=donate
+  )
   batch = make_batch(jax.random.key(1), B)
   batch["x"] = batch["x"].at[5, 0].set(jnp.nan)  # one bad row
   state = tx.init(params)
-  new_params, new_mstate, new_state, metrics = step(params, mstate, state, batch)
+  new_params, new_mstate, new_state, metrics = step(copy(params), copy(mstate), copy(state), batch)
   assert not bool(metrics["updated"]) and int(new_state.num_skipped) == 1
   assert_trees_close(new_mstate, mstate, rtol=0, atol=0)
   assert_trees_close(new_params, params, rtol=0, atol=0)
@@ -50,7 +58,8 @@ def test_a_voided_window_leaves_model_state_params_and_optimizer_state_as_they_w
 
 
 @pytest.mark.slow
-def test_a_voided_window_leaves_linen_batch_stats_as_they_were():
+@pytest.mark.parametrize("donate", [False, True], ids=["selects", "donated_in_place"])
+def test_a_voided_window_leaves_linen_batch_stats_as_they_were(donate):
   flax_nn = pytest.importorskip("flax.linen")
   from flax.training import train_state
 
@@ -75,7 +84,8 @@ def test_a_voided_window_leaves_linen_batch_stats_as_they_were():
   def loss_fn(logits, mb):
     return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
 
-  new, metrics = ga.linen_train_step(net, loss_fn, train_kwargs={"train": True})(ts, batch)
+  step = ga.linen_train_step(net, loss_fn, train_kwargs={"train": True}, donate=donate)
+  new, metrics = step(copy(ts), batch)
   assert not bool(metrics["updated"])
   assert_trees_close(new.batch_stats, ts.batch_stats, rtol=0, atol=0)
   assert_trees_close(new.params, ts.params, rtol=0, atol=0)
