@@ -8,6 +8,9 @@ configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the sp
   ms_loop    optax.MultiSteps, k jitted micro-steps from Python
   microbat   optax.microbatching.microbatch(grad) then the optimizer once
   min_scan   a minimal lax.scan over the same strided micro-batches, mean, optimizer once
+  min_guard  min_scan plus what skip_nonfinite=True (ga's default) adds, written by hand: the
+             squared global norm of the mean, and the update run only if it is finite (a
+             while loop of 0 or 1 trips, in place): the floor for a step that voids bad windows
   ga         gradaccum_jax.train_step (fused scan + one update)
   ga_stream  gradaccum_jax.accumulate, k jitted micro-steps (grad + tx.update) from Python
   ga_micro   gradaccum_jax.micro_step, k jitted calls from Python (no mesh)
@@ -37,7 +40,7 @@ import optax
 import gradaccum_jax as ga
 
 SIZES = (784, 512, 512, 10)
-VARIANTS = ("plain", "ms_loop", "microbat", "min_scan", "ga", "ga_stream", "ga_micro")
+VARIANTS = ("plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_stream", "ga_micro")
 
 
 def init(key, sizes):
@@ -103,6 +106,23 @@ def variants(opt_name, k, b, sizes):
     u, s = opt.update(jax.tree.map(lambda a: a / k, acc), s, p)
     return optax.apply_updates(p, u), s
 
+  @jit
+  def min_guard(p, s, bt):
+    def body(acc, i):
+      mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
+      return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(p, mb)), None
+
+    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(k))
+    mean = jax.tree.map(lambda a: a / k, acc)
+    finite = jnp.isfinite(sum(jnp.sum(m * m) for m in jax.tree.leaves(mean)))
+
+    def update(c):
+      _, (p, s) = c
+      u, s = opt.update(mean, s, p)
+      return jnp.zeros((), bool), (optax.apply_updates(p, u), s)
+
+    return jax.lax.while_loop(lambda c: c[0], update, (finite, (p, s)))[1]
+
   ga_step = ga.train_step(loss_fn, tx, donate=True)
 
   @jit
@@ -117,13 +137,16 @@ def variants(opt_name, k, b, sizes):
     "ms_loop": (ms, loop(ms_micro)),
     "microbat": (opt, lambda p, s: microbat(p, s, batch)),
     "min_scan": (opt, lambda p, s: min_scan(p, s, batch)),
+    "min_guard": (opt, lambda p, s: min_guard(p, s, batch)),
     "ga": (tx, lambda p, s: ga_step(p, s, batch)[:2]),
     "ga_stream": (tx, loop(ga_micro)),
     "ga_micro": (micro, loop(lambda p, s, mb: micro(p, s, mb)[:2])),
   }
 
 
-def measure(opt_name, k, b, sizes, rounds, reps):
+def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0):
+  """Times every variant; a sample is ``reps`` windows, more when a minimal-scan window is
+  short (at least ``min_sample_s`` of it per sample), so that the host's jitter averages out."""
   runs = variants(opt_name, k, b, sizes)
   p0 = init(jax.random.key(0), sizes)
 
@@ -140,6 +163,11 @@ def measure(opt_name, k, b, sizes, rounds, reps):
     )
     for n in runs
   }
+  st = fresh(runs["min_scan"][0])
+  st = jax.block_until_ready(runs["min_scan"][1](*st))
+  t0 = time.perf_counter()
+  jax.block_until_ready(runs["min_scan"][1](*st))
+  reps = max(reps, int(min_sample_s / (time.perf_counter() - t0)) + 1)
   samples = {n: [] for n in runs}
   for _ in range(rounds):  # interleaved: every round times every variant
     for n, (o, f) in runs.items():
@@ -156,12 +184,15 @@ def measure(opt_name, k, b, sizes, rounds, reps):
   # Ratios per round (same round, same machine state), then their median and spread.
   ratios = {n: [v / pl for v, pl in zip(samples[n], samples["plain"], strict=True)] for n in runs}
   return {
-    "opt": opt_name, "b": b, "k": k, "ms": med,
+    "opt": opt_name, "b": b, "k": k, "reps": reps, "ms": med,
     "ratio": {n: statistics.median(r) for n, r in ratios.items()},
     "ratio_min": {n: min(r) for n, r in ratios.items()},
     "ratio_max": {n: max(r) for n, r in ratios.items()},
     "ga_vs_min_scan": statistics.median(
       [g / m for g, m in zip(samples["ga"], samples["min_scan"], strict=True)]
+    ),
+    "ga_vs_min_guard": statistics.median(
+      [g / m for g, m in zip(samples["ga"], samples["min_guard"], strict=True)]
     ),
     "ga_vs_microbat": statistics.median(
       [g / m for g, m in zip(samples["ga"], samples["microbat"], strict=True)]
@@ -180,9 +211,9 @@ def table(rows):
   head = (
     "| opt | b | plain ms | "
     + " | ".join(VARIANTS[1:])
-    + " | ga / min_scan | ga / microbat | stream / ms_loop | micro / ms_loop |"
+    + " | ga / min_scan | ga / min_guard | ga / microbat | stream / ms_loop | micro / ms_loop |"
   )
-  lines = [head, "|" + "---|" * (len(VARIANTS) + 6)]
+  lines = [head, "|" + "---|" * (len(VARIANTS) + 7)]
   for r in rows:
     cells = [
       f"{r['ratio'][n]:.2f}x ({r['ratio_min'][n]:.2f}-{r['ratio_max'][n]:.2f})"
@@ -190,7 +221,8 @@ def table(rows):
     ]
     lines.append(
       f"| {r['opt']} | {r['b']} | {r['ms']['plain']:.2f} | " + " | ".join(cells)
-      + f" | {r['ga_vs_min_scan']:.3f} | {r['ga_vs_microbat']:.3f} | {r['stream_vs_ms_loop']:.3f}"
+      + f" | {r['ga_vs_min_scan']:.3f} | {r['ga_vs_min_guard']:.3f} | {r['ga_vs_microbat']:.3f}"
+      + f" | {r['stream_vs_ms_loop']:.3f}"
       + f" | {r['micro_vs_ms_loop']:.3f} |"
     )  # fmt: skip
   return "\n".join(lines)
@@ -202,6 +234,10 @@ def main(argv=None):
   ap.add_argument("--smoke", action="store_true", help="tiny sizes and one round")
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument(
+    "--min-sample-s", type=float, default=0.5,
+    help="at least this many seconds of minimal-scan windows per sample (more reps at small b)",
+  )  # fmt: skip
   ap.add_argument("--k", type=int, default=8)
   args = ap.parse_args(argv)
   sizes, configs, rounds, reps = (
@@ -212,17 +248,22 @@ def main(argv=None):
   )
   if args.smoke:
     sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4), ("muon", 4)], 1, 2
-  rows = [measure(o, args.k, b, sizes, rounds, reps) for o, b in configs]
+    args.min_sample_s = 0.0
+  rows = [measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s) for o, b in configs]
   meta = {
     "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "gradaccum_jax": ga.__version__, "rounds": rounds, "reps": reps, "k": args.k, "sizes": sizes,
+    "min_sample_s": args.min_sample_s,
   }  # fmt: skip
   md = (
     "# Step time side by side\n\n"
     f"Side by side, k={args.k}, MLP {'-'.join(map(str, sizes))}; {meta['date']}, {meta['machine']},"
-    f" jax {meta['jax']}, optax {meta['optax']}; medians of {rounds} rounds x {reps} windows,"
-    " ratio to plain (min-max over rounds).\n\n" + table(rows) + "\n"
+    f" jax {meta['jax']}, optax {meta['optax']}; medians of {rounds} rounds; a round times"
+    f" every variant on at least {reps} windows, and at least {args.min_sample_s} s of minimal"
+    " scan windows (reps per row in the JSON); ratio to plain (min-max over rounds).\n\n"
+    + table(rows)
+    + "\n"
   )
   print(md)
   if args.out is not None:

@@ -121,7 +121,9 @@ def test_side_by_side_smoke(tmp_path):
   result = json.loads((tmp_path / "side_by_side.json").read_text())
   assert [(r["opt"], r["b"]) for r in result["rows"]] == [("adam", 4), ("muon", 4)]
   for row in result["rows"]:
-    assert set(row["ratio"]) == {"plain", "ms_loop", "microbat", "min_scan", "ga", "ga_stream"}
+    assert set(row["ratio"]) == {
+      "plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_stream", "ga_micro"
+    }  # fmt: skip
     assert max(row["max_abs_diff_to_plain"].values()) < 1e-3  # every variant trains alike
   assert "| opt | b | plain ms |" in (tmp_path / "side_by_side.md").read_text()
 
