@@ -40,7 +40,9 @@ class AccumulateState(NamedTuple):
       ``accum_dtype``, with the structure of the parameters. Leaves kept in a
       float narrower than float32 (float16, bfloat16) hold the running weighted
       mean ``sum_i w_i g_i / sum_i w_i`` instead, so that it stays
-      representable where the sum would overflow.
+      representable where the sum would overflow. Zeros when no window is
+      open (``micro_step == 0``): every call that closes a window clears it,
+      and a donated :func:`train_step` does not read it then.
     acc_weight: the summed weight ``sum_i w_i`` of the open window (float32).
     inner_state: the state of the inner optimizer, which only changes when a
       window is applied.

@@ -110,7 +110,7 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
   def one(a):
     wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
     factor = unscale if is_running_mean(a) else inv * unscale
-    return wide * factor.astype(jnp.real(wide).dtype)
+    return wide * factor.astype(jnp.finfo(wide.dtype).dtype)  # float32 for complex64
 
   return jax.tree.map(one, acc)
 

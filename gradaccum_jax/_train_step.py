@@ -247,8 +247,10 @@ def train_step(
     if not jit:
       raise ValueError("train_step: gather_params='auto' compiles the step, so it needs jit=True.")
     steps = {
-      g: wrap_step(fused_step(opts.with_gather(g), acc, donate), has_state=opts.has_state, donate=donate,
-                   jit=True, k=lambda args: k)
+      g: wrap_step(
+        fused_step(opts.with_gather(g), acc, in_place=donate),
+        has_state=opts.has_state, donate=donate, jit=True, k=lambda args: k,
+      )
       for g in ("once", "per_microbatch")
     }  # fmt: skip
     return AutoGatherStep(steps, opts.parallel.budget)
