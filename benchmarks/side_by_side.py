@@ -247,7 +247,7 @@ def main(argv=None):
     args.reps,
   )
   if args.smoke:
-    sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4), ("muon", 4)], 1, 2
+    sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4)], 1, 2
     args.min_sample_s = 0.0
   rows = [measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s) for o, b in configs]
   meta = {
