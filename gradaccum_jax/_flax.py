@@ -48,6 +48,127 @@ def _rng_collections(rng_collections: Any) -> tuple[str, ...]:
   return names
 
 
+@dataclasses.dataclass(frozen=True)
+class _LinenModel:
+  """How a Linen module is applied to a micro-batch: its inputs, keyword arguments, PRNG keys,
+  and the errors that say which of them is wrong."""
+
+  module: Any
+  inputs: Any  # the batch key of the model input, or microbatch -> tuple of apply's arguments
+  train_kwargs: dict[str, Any]
+  collections: tuple[str, ...]  # the RNG collections that get keys
+  name: str
+  nn: Any
+  flax_errors: Any
+  flax_core: Any
+
+  @classmethod
+  def make(cls, module, inputs, train_kwargs, rng_collections) -> _LinenModel:
+    if not (isinstance(inputs, str) or callable(inputs)):
+      raise TypeError(
+        f"{inputs=} must be the key of the model input in the batch (a str) or a callable"
+        " microbatch -> tuple of positional arguments of module.apply."
+      )
+    if train_kwargs is not None and not isinstance(train_kwargs, dict):
+      raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
+    collections = _rng_collections(rng_collections)
+    nn, flax_errors, flax_core = _import_linen()
+    if not isinstance(module, nn.Module):
+      raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
+    return cls(
+      module, inputs, dict(train_kwargs or {}), collections, _module_name(module),
+      nn, flax_errors, flax_core,
+    )  # fmt: skip
+
+  def args(self, mb):
+    """The positional arguments of ``module.apply`` for micro-batch ``mb``."""
+    if callable(self.inputs):
+      args = self.inputs(mb)
+      return args if isinstance(args, tuple) else (args,)
+    try:
+      return (mb[self.inputs],)
+    except (KeyError, TypeError, IndexError):
+      keys = list(mb) if isinstance(mb, dict) else type(mb).__name__
+      raise ValueError(
+        f"inputs={self.inputs!r} is not a key of the micro-batch (keys: {keys}). Pass inputs="
+        " the key of the model input, or a callable microbatch -> tuple of module.apply"
+        " arguments."
+      ) from None
+
+  def rngs(self, key):
+    if key is None or not self.collections:
+      return None
+    return {c: jax.random.fold_in(key, j) for j, c in enumerate(self.collections)}
+
+  def apply(self, params, batch_stats, mb, key, with_stats):
+    """``(output, new batch_stats)`` (``batch_stats`` unchanged without ``with_stats``)."""
+    variables = {"params": params}
+    if with_stats:
+      variables["batch_stats"] = batch_stats
+    try:
+      out = self.module.apply(
+        variables,
+        *self.args(mb),
+        **self.train_kwargs,
+        mutable=["batch_stats"] if with_stats else False,
+        rngs=self.rngs(key),
+      )
+    except self.flax_errors.ScopeCollectionNotFound as e:
+      if with_stats or "batch_stats" not in str(e):
+        raise
+      raise ValueError(
+        f"{self.name} has a 'batch_stats' collection, but the train_state has none. Use a"
+        " TrainState subclass with a field `batch_stats: Any` set to"
+        " module.init(...)['batch_stats']."
+      ) from e
+    except self.flax_errors.InvalidRngError as e:
+      hint = (
+        "pass a fresh key to the step: step(train_state, batch, rng=key)"
+        if key is None
+        else f"add the collection to rng_collections (now {self.collections})"
+      )
+      raise ValueError(f"{e}\n{self.name} needs a PRNG key in training: {hint}.") from e
+    if with_stats:
+      out, mutated = out
+      new_stats = mutated.get("batch_stats", {})
+      if isinstance(batch_stats, self.flax_core.FrozenDict):  # keep the state's structure
+        new_stats = self.flax_core.freeze(new_stats)
+      return out, new_stats
+    return out, batch_stats
+
+  def momentum(self, params, batch_stats, mb, key) -> float:
+    """The one momentum of the module's BatchNorms that update running statistics."""
+    nn, seen = self.nn, {}
+
+    def interceptor(next_fun, args, kwargs, context):
+      bn = context.module
+      if isinstance(bn, nn.BatchNorm) and context.method_name == "__call__":
+        use_ra = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+        if use_ra is None:
+          use_ra = bn.use_running_average
+        if use_ra is not True:  # this BatchNorm updates its running statistics
+          seen["/".join(map(str, bn.path)) or type(bn).__name__] = bn.momentum
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+      jax.eval_shape(lambda p, s, m, k: self.apply(p, s, m, k, True), params, batch_stats, mb, key)
+    momenta = set(seen.values())
+    if not momenta:
+      raise ValueError(
+        f"batchnorm='per_window' but no nn.BatchNorm in {self.name} updates running"
+        f" statistics (with train_kwargs={self.train_kwargs!r}) to read the momentum from."
+        " Pass batchnorm_momentum=m, or check train_kwargs puts the model in training mode."
+      )
+    if len(momenta) > 1:
+      listing = ", ".join(f"{path}: {m}" for path, m in seen.items())
+      raise ValueError(
+        f"batchnorm='per_window' needs one momentum, but the BatchNorms of {self.name} have"
+        f" different momenta ({listing}). Give them the same momentum, or use"
+        " batchnorm='sequential'."
+      )
+    return float(momenta.pop())
+
+
 def linen_train_step(
   module: Any,
   loss_fn: Callable[..., Any],
@@ -219,103 +340,8 @@ def linen_train_step(
       },
       options.parallel.budget,
     )
-  if not (isinstance(inputs, str) or callable(inputs)):
-    raise TypeError(
-      f"{inputs=} must be the key of the model input in the batch (a str) or a callable"
-      " microbatch -> tuple of positional arguments of module.apply."
-    )
-  if train_kwargs is not None and not isinstance(train_kwargs, dict):
-    raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
-  train_kwargs = dict(train_kwargs or {})
-  collections = _rng_collections(rng_collections)
-  nn, flax_errors, flax_core = _import_linen()
-  name = _module_name(module)
-  if not isinstance(module, nn.Module):
-    raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
-
-  def model_args(mb):
-    if callable(inputs):
-      args = inputs(mb)
-      return args if isinstance(args, tuple) else (args,)
-    try:
-      return (mb[inputs],)
-    except (KeyError, TypeError, IndexError):
-      keys = list(mb) if isinstance(mb, dict) else type(mb).__name__
-      raise ValueError(
-        f"{inputs=} is not a key of the micro-batch (keys: {keys}). Pass inputs= the key of"
-        " the model input, or a callable microbatch -> tuple of module.apply arguments."
-      ) from None
-
-  def rngs_for(key):
-    if key is None or not collections:
-      return None
-    return {c: jax.random.fold_in(key, j) for j, c in enumerate(collections)}
-
-  def apply(params, batch_stats, mb, key, with_stats):
-    variables = {"params": params}
-    if with_stats:
-      variables["batch_stats"] = batch_stats
-    try:
-      out = module.apply(
-        variables,
-        *model_args(mb),
-        **train_kwargs,
-        mutable=["batch_stats"] if with_stats else False,
-        rngs=rngs_for(key),
-      )
-    except flax_errors.ScopeCollectionNotFound as e:
-      if with_stats or "batch_stats" not in str(e):
-        raise
-      raise ValueError(
-        f"{name} has a 'batch_stats' collection, but the train_state has none. Use a"
-        " TrainState subclass with a field `batch_stats: Any` set to"
-        " module.init(...)['batch_stats']."
-      ) from e
-    except flax_errors.InvalidRngError as e:
-      hint = (
-        "pass a fresh key to the step: step(train_state, batch, rng=key)"
-        if key is None
-        else f"add the collection to rng_collections (now {collections})"
-      )
-      raise ValueError(f"{e}\n{name} needs a PRNG key in training: {hint}.") from e
-    if with_stats:
-      out, mutated = out
-      new_stats = mutated.get("batch_stats", {})
-      if isinstance(batch_stats, flax_core.FrozenDict):  # keep the state's structure
-        new_stats = flax_core.freeze(new_stats)
-      return out, new_stats
-    return out, batch_stats
-
-  def infer_momentum(params, batch_stats, mb, key):
-    seen: dict[str, float] = {}
-
-    def interceptor(next_fun, args, kwargs, context):
-      bn = context.module
-      if isinstance(bn, nn.BatchNorm) and context.method_name == "__call__":
-        use_ra = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
-        if use_ra is None:
-          use_ra = bn.use_running_average
-        if use_ra is not True:  # this BatchNorm updates its running statistics
-          seen["/".join(map(str, bn.path)) or type(bn).__name__] = bn.momentum
-      return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(interceptor):
-      jax.eval_shape(lambda p, s, m, k: apply(p, s, m, k, True), params, batch_stats, mb, key)
-    momenta = set(seen.values())
-    if not momenta:
-      raise ValueError(
-        f"batchnorm='per_window' but no nn.BatchNorm in {name} updates running statistics"
-        f" (with {train_kwargs=}) to read the momentum from. Pass batchnorm_momentum=m, or"
-        " check train_kwargs puts the model in training mode."
-      )
-    if len(momenta) > 1:
-      listing = ", ".join(f"{path}: {m}" for path, m in seen.items())
-      raise ValueError(
-        f"batchnorm='per_window' needs one momentum, but the BatchNorms of {name} have"
-        f" different momenta ({listing}). Give them the same momentum, or use"
-        " batchnorm='sequential'."
-      )
-    return float(momenta.pop())
+  model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
+  name = model.name
 
   def step(train_state, batch, rng=None, *, num_real_microbatches=None):
     tx = as_accumulate(getattr(train_state, "tx", None), "train_state.tx")
@@ -335,7 +361,7 @@ def linen_train_step(
       )
 
     def loss(params, batch_stats, mb, key=None):
-      out, new_stats = apply(params, batch_stats, mb, key, with_stats)
+      out, new_stats = model.apply(params, batch_stats, mb, key, with_stats)
       if with_stats and jax.tree.structure(new_stats) != jax.tree.structure(batch_stats):
         raise ValueError(
           f"train_state.batch_stats does not match the 'batch_stats' that {name} makes:"
@@ -350,7 +376,7 @@ def linen_train_step(
     if batchnorm == "per_window" and momentum is None:
       k = tx.fixed_num_microbatches("linen_train_step")
       mb0 = microbatch(batch, 0, k) if check_batch(batch, k) else None
-      momentum = infer_momentum(
+      momentum = model.momentum(
         train_state.params, stats, mb0, None if rng is None else jax.random.fold_in(rng, 0)
       )
     opts = dataclasses.replace(
