@@ -96,23 +96,21 @@ def variants(opt_name, k, b, sizes):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  @jit
-  def min_scan(p, s, bt):
+  def grad_sum(p, bt):  # the minimal scan: the strided micro-batches' gradients, summed
     def body(acc, i):
       mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
       return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(p, mb)), None
 
-    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(k))
-    u, s = opt.update(jax.tree.map(lambda a: a / k, acc), s, p)
+    return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(k))[0]
+
+  @jit
+  def min_scan(p, s, bt):
+    u, s = opt.update(jax.tree.map(lambda a: a / k, grad_sum(p, bt)), s, p)
     return optax.apply_updates(p, u), s
 
   @jit
   def min_guard(p, s, bt):
-    def body(acc, i):
-      mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
-      return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(p, mb)), None
-
-    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(k))
+    acc = grad_sum(p, bt)
     mean = jax.tree.map(lambda a: a / k, acc)
     finite = jnp.isfinite(sum(jnp.sum(m * m) for m in jax.tree.leaves(mean)))
 
