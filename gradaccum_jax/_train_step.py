@@ -359,14 +359,21 @@ def merge_open_window(
   buffer anyway, and a loop would hold a copy of the accumulator.
   """
 
+  if not in_place:
+    merged = merge_gradients(state.acc_grads, state.acc_weight, grads, weight)
+    return merged, jax.tree.map(jnp.zeros_like, state.acc_grads)
+  is_open = state.micro_step > 0
+
   def merge(carry):
     grads, acc = carry
     merged = merge_gradients(acc, state.acc_weight, grads, weight)
-    return merged, jax.tree.map(jnp.zeros_like, acc)
+    # The zeros are a select on ``merged`` that XLA cannot fold (``is_open`` holds whenever
+    # this runs), so the write over ``acc`` follows the merge's read of it. With plain zeros
+    # XLA copied the accumulator first, and the copies' buffers, though the loop seldom runs,
+    # took temp memory and slowed the micro-batch loop (tests/test_program.py).
+    return merged, jax.tree.map(lambda m: jnp.where(is_open, jnp.zeros_like(m), m), merged)
 
-  if not in_place:
-    return merge((grads, state.acc_grads))
-  return run_if(state.micro_step > 0, merge, (grads, state.acc_grads))
+  return run_if(is_open, merge, (grads, state.acc_grads))
 
 
 def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts) -> dict:
