@@ -16,7 +16,9 @@ configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the sp
   ga_micro   gradaccum_jax.micro_step, k jitted calls from Python (no mesh)
 
 MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
-and b = 32 with muon.
+and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, min_scan, min_guard,
+microbat and ga one window each in turn: quantiles (p10, p25, median) of those single windows
+and ga's ratio to each at the same quantile, steadier on a shared machine than the rounds.
 
   python benchmarks/side_by_side.py --out benchmarks/results           # a few minutes
   python benchmarks/side_by_side.py --smoke --out /tmp/bench           # seconds
@@ -142,7 +144,7 @@ def variants(opt_name, k, b, sizes):
   }
 
 
-def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0):
+def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0):
   """Times every variant; a sample is ``reps`` windows, more when a minimal-scan window is
   short (at least ``min_sample_s`` of it per sample), so that the host's jitter averages out."""
   runs = variants(opt_name, k, b, sizes)
@@ -179,6 +181,7 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0):
       jax.block_until_ready(st)
       samples[n].append((time.perf_counter() - t0) / reps * 1e3)
   med = {n: statistics.median(v) for n, v in samples.items()}
+  single = single_windows(runs, fresh, single_s)
   # Ratios per round (same round, same machine state), then their median and spread.
   ratios = {n: [v / pl for v, pl in zip(samples[n], samples["plain"], strict=True)] for n in runs}
   return {
@@ -202,6 +205,34 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0):
       [g / m for g, m in zip(samples["ga_micro"], samples["ms_loop"], strict=True)]
     ),
     "max_abs_diff_to_plain": err,
+    "single": single,
+  }  # fmt: skip
+
+
+FUSED = ("min_scan", "min_guard", "microbat", "ga")
+QUANTILES = (0.1, 0.25, 0.5)
+
+
+def single_windows(runs, fresh, seconds):
+  """The fused variants one window each in turn, for about ``seconds``: quantiles of the
+  single-window times (ms) and ga's ratio to each other variant at every quantile.
+
+  On a shared machine a slow window is the neighbours' doing, so the low quantiles of many
+  short samples show what each program costs more steadily than the median of a few long
+  ones; the ratios compare the same quantile of windows timed side by side."""
+  if seconds <= 0:
+    return None
+  states = {n: fresh(runs[n][0]) for n in FUSED}
+  t0, times = time.perf_counter(), {n: [] for n in FUSED}
+  while time.perf_counter() - t0 < seconds or len(times["ga"]) < 20:
+    for n in FUSED:
+      t = time.perf_counter()
+      states[n] = jax.block_until_ready(runs[n][1](*states[n]))
+      times[n].append((time.perf_counter() - t) * 1e3)
+  q = {n: {str(p): float(np.quantile(v[2:], p)) for p in QUANTILES} for n, v in times.items()}
+  return {
+    "windows": len(times["ga"]) - 2, "ms": q,
+    "ga_vs": {n: {p: q["ga"][p] / q[n][p] for p in q[n]} for n in FUSED if n != "ga"},
   }  # fmt: skip
 
 
@@ -226,6 +257,19 @@ def table(rows):
   return "\n".join(lines)
 
 
+def single_table(rows):
+  head = "| opt | b | windows | " + " | ".join(f"{n} ms" for n in FUSED) + " | ga / min_scan | ga / min_guard | ga / microbat |"
+  lines = [head, "|" + "---|" * (len(FUSED) + 6)]
+  fmt = lambda d: "/".join(f"{d[str(p)]:.3f}" for p in QUANTILES)  # noqa: E731
+  for r in rows:
+    s = r["single"]
+    lines.append(
+      f"| {r['opt']} | {r['b']} | {s['windows']} | " + " | ".join(fmt(s["ms"][n]) for n in FUSED)
+      + " | " + " | ".join(fmt(s["ga_vs"][n]) for n in ("min_scan", "min_guard", "microbat")) + " |"
+    )  # fmt: skip
+  return "\n".join(lines)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", type=Path, default=None, help="folder for side_by_side.{json,md}")
@@ -235,6 +279,10 @@ def main(argv=None):
   ap.add_argument(
     "--min-sample-s", type=float, default=0.5,
     help="at least this many seconds of minimal-scan windows per sample (more reps at small b)",
+  )  # fmt: skip
+  ap.add_argument(
+    "--single-s", type=float, default=20.0,
+    help="seconds per configuration of single windows of the fused variants, in turn",
   )  # fmt: skip
   ap.add_argument("--k", type=int, default=8)
   args = ap.parse_args(argv)
@@ -246,13 +294,16 @@ def main(argv=None):
   )
   if args.smoke:
     sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4)], 1, 2
-    args.min_sample_s = 0.0
-  rows = [measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s) for o, b in configs]
+    args.min_sample_s, args.single_s = 0.0, 0.1
+  rows = [
+    measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s, args.single_s)
+    for o, b in configs
+  ]
   meta = {
     "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "gradaccum_jax": ga.__version__, "rounds": rounds, "reps": reps, "k": args.k, "sizes": sizes,
-    "min_sample_s": args.min_sample_s,
+    "min_sample_s": args.min_sample_s, "single_s": args.single_s,
   }  # fmt: skip
   md = (
     "# Step time side by side\n\n"
@@ -263,6 +314,13 @@ def main(argv=None):
     + table(rows)
     + "\n"
   )
+  if all(r["single"] for r in rows):
+    md += (
+      f"\nSingle windows of the fused variants in turn, about {args.single_s} s per row:"
+      f" p10/p25/median of the window times (ms), and ga's ratio to each at the same quantile.\n\n"
+      + single_table(rows)
+      + "\n"
+    )
   print(md)
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)

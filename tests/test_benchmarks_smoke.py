@@ -125,7 +125,12 @@ def test_side_by_side_smoke(tmp_path):
       "plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_stream", "ga_micro"
     }  # fmt: skip
     assert max(row["max_abs_diff_to_plain"].values()) < 1e-3  # every variant trains alike
-  assert "| opt | b | plain ms |" in (tmp_path / "side_by_side.md").read_text()
+    single = row["single"]  # single windows in turn: quantiles, and ga's ratio at each
+    assert single["windows"] >= 20 and set(single["ga_vs"]) == {"min_scan", "min_guard", "microbat"}
+    for n, q in single["ga_vs"].items():
+      assert q["0.5"] == pytest.approx(single["ms"]["ga"]["0.5"] / single["ms"][n]["0.5"])
+  md = (tmp_path / "side_by_side.md").read_text()
+  assert "| opt | b | plain ms |" in md and "| opt | b | windows |" in md
 
 
 def test_noise_scale_smoke(tmp_path):
