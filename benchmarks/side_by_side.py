@@ -258,7 +258,11 @@ def table(rows):
 
 
 def single_table(rows):
-  head = "| opt | b | windows | " + " | ".join(f"{n} ms" for n in FUSED) + " | ga / min_scan | ga / min_guard | ga / microbat |"
+  head = (
+    "| opt | b | windows | "
+    + " | ".join(f"{n} ms" for n in FUSED)
+    + " | ga / min_scan | ga / min_guard | ga / microbat |"
+  )
   lines = [head, "|" + "---|" * (len(FUSED) + 6)]
   fmt = lambda d: "/".join(f"{d[str(p)]:.3f}" for p in QUANTILES)  # noqa: E731
   for r in rows:
@@ -296,8 +300,7 @@ def main(argv=None):
     sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4)], 1, 2
     args.min_sample_s, args.single_s = 0.0, 0.1
   rows = [
-    measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s, args.single_s)
-    for o, b in configs
+    measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s, args.single_s) for o, b in configs
   ]
   meta = {
     "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
