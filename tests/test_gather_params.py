@@ -134,6 +134,51 @@ def test_fsdp_gather_policies_match_the_big_batch_step(gather):
 
 
 @pytest.mark.slow
+def test_the_noise_scale_is_the_same_whatever_the_layout_and_the_gathering():
+  """The window's noise estimates over the D * k device micro-batches, by hand from
+  jax.grad on each device's rows, equal train_step's with replicated params and with FSDP
+  params gathered once and per micro-batch, and the noise scale of ga.micro_step (FSDP and
+  replicated) equals train_step's."""
+  mesh, k = mesh_1d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(D * k * 4, 1)
+  grads = []  # device d of micro-batch i: its contiguous slice of the micro-batch's rows
+  for i in range(k):
+    mb = ga.microbatch(batch, i, k)
+    rows = len(mb["x"]) // D
+    for d in range(D):
+      shard = {key: x[d * rows : (d + 1) * rows] for key, x in mb.items()}
+      g = jax.grad(xent_loss)(params, shard)
+      grads.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64))
+  grads = np.stack(grads)
+  n, examples = len(grads), len(batch["x"])
+  gbar2, mean_sq = np.sum(grads.mean(0) ** 2), np.mean(np.sum(grads**2, 1))
+  expected_g2 = (n * gbar2 - mean_sq) / (n - 1)
+  expected_trace = examples * (mean_sq - gbar2) / (n - 1)
+
+  def tx():
+    return ga.accumulate(optax.sgd(0.0), k, noise_scale_ema=0.9)
+
+  scales = []
+  for specs, gather in ((None, "once"), (FSDP, "once"), (FSDP, "per_microbatch")):
+    t = tx()
+    step = ga.train_step(xent_loss, t, mesh=mesh, param_specs=specs, gather_params=gather)
+    p = put(params, mesh, specs or P())
+    _, state, metrics = step(p, t.init(p), put(batch, mesh, P("data")))
+    np.testing.assert_allclose(metrics["grad_sq_norm_est"], expected_g2, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["trace_sigma_est"], expected_trace, rtol=1e-4)
+    scales.append(float(ga.noise_scale(state)))
+  for specs in (None, FSDP):
+    step = ga.micro_step(xent_loss, tx(), mesh=mesh, param_specs=specs)
+    p = put(params, mesh, specs or P())
+    state = step.init(p)
+    for i in range(k):
+      p, state, _ = step(p, state, put(ga.microbatch(batch, i, k), mesh, P("data")))
+    scales.append(float(ga.noise_scale(state.accumulate)))
+  np.testing.assert_allclose(scales, expected_trace / expected_g2, rtol=1e-3)
+
+
+@pytest.mark.slow
 def test_auto_runs_once_when_it_fits_the_budget():
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
