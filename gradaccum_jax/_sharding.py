@@ -177,6 +177,13 @@ def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _explicit_sharding(x: jax.Array) -> Any:
+  """``x``'s sharding where its type carries one (explicit mesh axes), else None."""
+  sharding = jax.typeof(x).sharding
+  explicit = any(t == AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ()))
+  return sharding if explicit else None
+
+
 def _names(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -228,9 +235,9 @@ class _LeafPlan:
     size = x.shape[self.dim]
     full = list(x.shape)
     full[self.dim] = size * self.parts
-    padded = jax.lax.dynamic_update_slice_in_dim(
-      jnp.zeros(full, x.dtype), x, self._index() * size, self.dim
-    )
+    # On an explicit mesh the zeros take the shard's model sharding (the update must match).
+    zeros = jnp.zeros(full, x.dtype, out_sharding=_explicit_sharding(x))
+    padded = jax.lax.dynamic_update_slice_in_dim(zeros, x, self._index() * size, self.dim)
     return jax.lax.psum(padded, self.names)
 
   def scatter(self, g: jax.Array) -> jax.Array:
@@ -461,7 +468,11 @@ def over_mesh(
       leaves = [x if p.outside else p.gather(x) for x, p in zip(leaves, plans, strict=True)]
     if rng is not None:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-    acc0 = treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in acc_like])
+    # Zeros like the params the gradients come from: on an explicit mesh they carry the same
+    # model sharding in their type, as the scan's carry must.
+    acc0 = treedef.unflatten(
+      [jnp.zeros_like(x, a.dtype) for x, a in zip(leaves, acc_like, strict=True)]
+    )
     hook = PerMicrobatch(tuple(plans), axes) if per_mb else None
     w = local_sums(
       treedef.unflatten(leaves), batch, rng, acc0, model_state, scale, num_real, axes,
