@@ -292,9 +292,11 @@ class MicroStep:
       [_place(x, mesh, p.model_spec) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
     )
     slot = lay.spec()
-    grad_specs = lay.grad_specs(params)
+    grad_specs = lay.grad_specs(params)  # the slot axis, then each param's model axes
     partial_specs = Sums(grad_specs, slot, slot, jax.tree.map(lambda _: slot, partial.aux))
     noise_specs = jax.tree.map(lambda _: slot, noise)
+    # The shard_map names only the data axes it is manual over; the model axes stay GSPMD's.
+    manual_specs = jax.tree.map(lambda _: slot, partial)
     devices = dp.size
 
     def per_device(params, mb, rng, partial, noise, model_state, scale):
@@ -302,7 +304,7 @@ class MicroStep:
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
       own = jax.tree.map(lambda x: x[0], (partial, noise))
       w = self._mg.local_sums(
-        params, mb, rng, _zeros_like(own[0].grads), model_state, scale, None, axes
+        params, mb, rng, jax.tree.map(jnp.zeros_like, own[0].grads), model_state, scale, None, axes
       )
       # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
       sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices)
@@ -322,8 +324,8 @@ class MicroStep:
     add = jax.shard_map(
       per_device,
       mesh=mesh,
-      in_specs=(P(), dp.batch_spec, P(), partial_specs, noise_specs, P(), P()),
-      out_specs=((partial_specs, noise_specs), P()),
+      in_specs=(P(), dp.batch_spec, P(), manual_specs, noise_specs, P(), P()),
+      out_specs=((manual_specs, noise_specs), P()),
       axis_names=set(axes),
     )
     (partial, noise), new_model_state = add(*args)
@@ -337,10 +339,8 @@ class MicroStep:
       return partial, noise
     plans = _leaf_plans(dp, params)
     treedef = jax.tree.structure(params)
-    slot = lay.spec()
-    partial_specs = Sums(
-      lay.grad_specs(params), slot, slot, jax.tree.map(lambda _: slot, partial.aux)
-    )
+    slot = lay.spec()  # the shard_map names the data axes only: a model axis stays GSPMD's
+    partial_specs = jax.tree.map(lambda _: slot, partial)
     noise_specs = jax.tree.map(lambda _: slot, noise)
     out_grads = treedef.unflatten([p.manual for p in plans])
 

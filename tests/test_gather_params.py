@@ -336,6 +336,30 @@ def test_tensor_parallel_params_match_the_big_batch_step(specs, gather, kind):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("specs", [TP, FSDP_TP], ids=["tp", "fsdp_tp"])
+def test_micro_step_with_tensor_parallel_params_matches_the_big_batch_step(specs, kind):
+  """ga.micro_step on a data x model mesh: k calls of one micro-batch equal the big-batch step
+  and the params keep their model sharding. Before, its shard_maps (manual over the data axes
+  only) were given specs naming the model axis, an error on every mesh."""
+  mesh, k = mesh_2d(kind), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(4 * k * 2)
+  expected, expected_loss = plain_steps(xent_loss, optax.adam(1e-2), params, [batch])
+  loss = explicit_xent_loss if kind == "explicit" else xent_loss
+  step = ga.micro_step(loss, ga.accumulate(optax.adam(1e-2), k), mesh=mesh, param_specs=specs)
+  p = put(params, mesh, specs)
+  state = step.init(p)
+  for i in range(k):
+    p, state, metrics = step(p, state, put(ga.microbatch(batch, i, k), mesh, P("data")))
+  assert bool(metrics["updated"])
+  assert_trees_close(p, expected)
+  np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+  for leaf, spec in zip(jax.tree.leaves(p), jax.tree.leaves(specs), strict=True):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 
