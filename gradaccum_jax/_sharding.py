@@ -177,13 +177,6 @@ def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _explicit_sharding(x: jax.Array) -> Any:
-  """``x``'s sharding where its type carries one (explicit mesh axes), else None."""
-  sharding = jax.typeof(x).sharding
-  explicit = any(t == AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ()))
-  return sharding if explicit else None
-
-
 def _names(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -235,8 +228,8 @@ class _LeafPlan:
     size = x.shape[self.dim]
     full = list(x.shape)
     full[self.dim] = size * self.parts
-    # On an explicit mesh the zeros take the shard's model sharding (the update must match).
-    zeros = jnp.zeros(full, x.dtype, out_sharding=_explicit_sharding(x))
+    # The zeros take the shard's sharding (on an explicit mesh the update's type must match).
+    zeros = jnp.zeros(full, x.dtype, out_sharding=jax.typeof(x).sharding)
     padded = jax.lax.dynamic_update_slice_in_dim(zeros, x, self._index() * size, self.dim)
     return jax.lax.psum(padded, self.names)
 
