@@ -68,6 +68,11 @@ class _Layout:
     """The spec of a per-device leaf: the device axis over the data axes, then ``like_spec``."""
     return P(self.dp.batch_spec[0], *like_spec)
 
+  def slots(self, tree: Any) -> Any:
+    """``spec()`` for every leaf of ``tree``: what a shard_map manual over the data axes names
+    (a model axis of a leaf stays GSPMD's)."""
+    return jax.tree.map(lambda _: self.spec(), tree)
+
   def grad_specs(self, params: Any) -> Any:
     plans = _leaf_plans(self.dp, params)
     return jax.tree.structure(params).unflatten([self.spec(p.model_spec) for p in plans])
@@ -277,7 +282,9 @@ class MicroStep:
     return run_if(emit, close, held)
 
   def _add_local(self, params, mb, rng, partial, noise, model_state, scale):
-    w = self._mg.local_sums(params, mb, rng, _zeros_like(partial.grads), model_state, scale, None)
+    w = self._mg.local_sums(
+      params, mb, rng, jax.tree.map(jnp.zeros_like, partial.grads), model_state, scale, None
+    )
     sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, 1, 1.0)
     return _add(partial, sums), _add(noise, new_noise), w.model_state
 
@@ -293,10 +300,8 @@ class MicroStep:
     )
     slot = lay.spec()
     grad_specs = lay.grad_specs(params)  # the slot axis, then each param's model axes
-    partial_specs = Sums(grad_specs, slot, slot, jax.tree.map(lambda _: slot, partial.aux))
-    noise_specs = jax.tree.map(lambda _: slot, noise)
-    # The shard_map names only the data axes it is manual over; the model axes stay GSPMD's.
-    manual_specs = jax.tree.map(lambda _: slot, partial)
+    partial_specs = Sums(grad_specs, slot, slot, lay.slots(partial.aux))
+    manual_specs, noise_specs = lay.slots(partial), lay.slots(noise)
     devices = dp.size
 
     def per_device(params, mb, rng, partial, noise, model_state, scale):
@@ -339,9 +344,7 @@ class MicroStep:
       return partial, noise
     plans = _leaf_plans(dp, params)
     treedef = jax.tree.structure(params)
-    slot = lay.spec()  # the shard_map names the data axes only: a model axis stays GSPMD's
-    partial_specs = jax.tree.map(lambda _: slot, partial)
-    noise_specs = jax.tree.map(lambda _: slot, noise)
+    partial_specs, noise_specs = lay.slots(partial), lay.slots(noise)
     out_grads = treedef.unflatten([p.manual for p in plans])
 
     def per_device(partial, noise):
@@ -421,10 +424,6 @@ class MicroStep:
         state.aux_sum,
       )
     return params, new_model_state, state._replace(accumulate=new_acc), metrics
-
-
-def _zeros_like(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def micro_step(

@@ -244,11 +244,6 @@ class _LeafPlan:
     size = g.shape[self.dim] // self.parts
     return jax.lax.dynamic_slice_in_dim(g, self._index() * size, size, self.dim)
 
-  def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if self.dim is None:
-      return shape
-    return tuple(s // self.parts if d == self.dim else s for d, s in enumerate(shape))
-
 
 def _leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
   """One plan per params leaf from ``dp.param_specs`` (a pytree prefix of the params)."""
@@ -447,12 +442,7 @@ def over_mesh(
   treedef = jax.tree.structure(params)
   in_specs = treedef.unflatten([p.in_spec for p in plans])
   out_specs = treedef.unflatten([p.manual for p in plans])
-  acc_like = [
-    jax.ShapeDtypeStruct(
-      p.local_shape(jnp.shape(a)) if per_mb else jnp.shape(a), jnp.result_type(a)
-    )
-    for a, p in zip(jax.tree.leaves(acc_init), plans, strict=True)
-  ]
+  acc_dtypes = [jnp.result_type(a) for a in jax.tree.leaves(acc_init)]
   static = {}
 
   def per_device(params, batch, rng, model_state, scale, num_real):
@@ -464,7 +454,7 @@ def over_mesh(
     # Zeros like the params the gradients come from: on an explicit mesh they carry the same
     # model sharding in their type, as the scan's carry must.
     acc0 = treedef.unflatten(
-      [jnp.zeros_like(x, a.dtype) for x, a in zip(leaves, acc_like, strict=True)]
+      [jnp.zeros_like(x, dtype) for x, dtype in zip(leaves, acc_dtypes, strict=True)]
     )
     hook = PerMicrobatch(tuple(plans), axes) if per_mb else None
     w = local_sums(
