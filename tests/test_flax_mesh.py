@@ -1,4 +1,5 @@
-"""Flax Linen and NNX steps data-parallel on 8 CPU devices (BatchNorm, dropout), replicated and FSDP.
+"""Flax Linen and NNX steps data-parallel on 8 CPU devices (BatchNorm, dropout): replicated, FSDP,
+and tensor-parallel params on a data x model mesh (at the end, against the big-batch step).
 
 The reference is a hand loop on one device over the (device, micro-batch) groups the mesh step
 forms: device ``d`` holds rows ``d B/D .. (d+1) B/D - 1`` and splits them into ``K`` strided
@@ -253,3 +254,148 @@ def test_nnx_step_on_a_mesh_has_no_collective_in_the_loop():
   in_loop, outside = hlo_collectives(step.lower(model, optimizer, batch).compile())
   assert in_loop == [], in_loop
   assert outside.count("all-reduce") >= 1 and "all-gather" not in outside, outside
+
+
+# --- tensor parallelism: a Dense kernel sharded over "model" on its output dim, the next on its
+# input dim, on a 4 x 2 ("data", "model") mesh, against the big-batch step on one device --------
+
+TP_SIZES = (8, 16, 3)  # inputs, hidden units (split over "model"), classes
+TP_K = 2
+TP_ROWS = 4 * TP_K * 2  # two rows per data device per micro-batch
+# sgd, not adam: adam's update is blind to a gradient off by a constant factor (say, summed
+# over the model axis too); a big step makes a gradient error show in the params.
+TP_INNER = optax.sgd(0.5, momentum=0.9)
+# The Linen params and the NNX model's nnx.to_pure_dict have this structure.
+TP_SPECS = {
+  "hidden": {"kernel": P(None, "model"), "bias": P("model")},
+  "out": {"kernel": P("model", None), "bias": P()},
+}
+
+
+def tp_mesh(kind):
+  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def tp_params():
+  """The params of both models, from numpy (no init programs to compile)."""
+  rng = np.random.default_rng(4)
+  return {
+    name: {
+      "kernel": (rng.standard_normal((m, n)) / np.sqrt(m)).astype(np.float32),
+      "bias": (0.1 * rng.standard_normal(n)).astype(np.float32),
+    }
+    for name, m, n in (("hidden", *TP_SIZES[:2]), ("out", *TP_SIZES[1:]))
+  }
+
+
+def tp_batches():
+  """Two windows of TP_ROWS rows."""
+  rng = np.random.default_rng(5)
+  return [
+    {
+      "x": rng.standard_normal((TP_ROWS, TP_SIZES[0])).astype(np.float32),
+      "y": rng.integers(0, TP_SIZES[-1], TP_ROWS).astype(np.int32),
+    }
+    for _ in range(2)
+  ]
+
+
+@functools.cache
+def tp_reference():
+  """The big-batch step (jax.value_and_grad of the mean loss over the whole window, on one
+  device, then TP_INNER) on each window, the model written in plain jax.numpy: the params
+  after both, and the last window's loss and gradient norm."""
+
+  def loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["hidden"]["kernel"] + p["hidden"]["bias"])
+    return xent(h @ p["out"]["kernel"] + p["out"]["bias"], batch)
+
+  @jax.jit
+  def run(params, batches):
+    state = TP_INNER.init(params)
+    for batch in batches:
+      value, grads = jax.value_and_grad(loss)(params, batch)
+      updates, state = TP_INNER.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, value, optax.tree.norm(grads)
+
+  return run(tp_params(), tp_batches())
+
+
+def tp_out_sharding(x, kernel):
+  """The sharding of ``x @ kernel`` on a mesh with explicit axes: rows as ``x``'s, columns as
+  the kernel's. A product that contracts a model-sharded dimension must name it there, as in
+  a plain jax.jit step; None (GSPMD or one device decides) on an auto mesh or off a mesh."""
+  rows, cols = jax.typeof(x).sharding, jax.typeof(kernel).sharding
+  if AxisType.Explicit not in rows.mesh.axis_types:
+    return None
+  return NamedSharding(rows.mesh, P(*rows.spec[:-1], cols.spec[-1]))
+
+
+def explicit_dot_general(lhs, rhs, dimension_numbers, precision=None, **kwargs):
+  """lax.dot_general with tp_out_sharding, for nn.Dense(dot_general=...): Linen's Dense takes
+  no out_sharding (nnx.Linear does, at the call)."""
+  kwargs["out_sharding"] = kwargs.get("out_sharding") or tp_out_sharding(lhs, rhs)
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **kwargs)
+
+
+class LinenTP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(TP_SIZES[1], dot_general=explicit_dot_general, name="hidden")(x)
+    return nn.Dense(TP_SIZES[2], dot_general=explicit_dot_general, name="out")(jnp.tanh(h))
+
+
+class NnxTP(nnx.Module):
+  def __init__(self):
+    rngs = nnx.Rngs(params=0)
+    self.hidden = nnx.Linear(TP_SIZES[0], TP_SIZES[1], rngs=rngs)
+    self.out = nnx.Linear(TP_SIZES[1], TP_SIZES[2], rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.hidden(x, out_sharding=tp_out_sharding(x, self.hidden.kernel[...])))
+    return self.out(h, out_sharding=tp_out_sharding(h, self.out.kernel[...]))
+
+
+def assert_tp_step(params, momentum, metrics, m):
+  """Two windows equal two big-batch steps, and the params and their momentum keep TP_SPECS."""
+  expected, expected_loss, expected_norm = tp_reference()
+  assert bool(metrics["updated"])
+  assert_trees_close(params, expected)
+  np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], expected_norm, rtol=1e-5)
+  for tree in (params, momentum):
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(TP_SPECS), strict=True):
+      assert leaf.sharding.is_equivalent_to(NamedSharding(m, spec), leaf.ndim), (leaf, spec)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_linen_step_with_tensor_parallel_params_matches_the_big_batch_step(kind):
+  """On an explicit mesh nn.Dense names the sharding of its product (explicit_dot_general)."""
+  m, model = tp_mesh(kind), LinenTP()
+  params = put(tp_params(), m, TP_SPECS)
+  tx = ga.accumulate(TP_INNER, TP_K)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  step = ga.linen_train_step(model, xent, mesh=m, param_specs=TP_SPECS)
+  for batch in tp_batches():
+    state, metrics = step(state, put(batch, m, P("data")))
+  assert int(state.step) == 2
+  assert_tp_step(state.params, state.opt_state.inner_state[0].trace, metrics, m)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(kind):
+  """On an explicit mesh nnx.Linear is called with out_sharding= (tp_out_sharding)."""
+  m, model = tp_mesh(kind), nnx.eval_shape(NnxTP)  # the params are tp_params()
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, put(tp_params(), m, TP_SPECS))
+  nnx.update(model, state)
+  optimizer = nnx.Optimizer(model, ga.accumulate(TP_INNER, TP_K), wrt=nnx.Param)
+  step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=TP_SPECS)
+  for batch in tp_batches():
+    metrics = step(model, optimizer, put(batch, m, P("data")))
+  assert int(optimizer.opt_state.count[...]) == 2
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  momentum = nnx.to_pure_dict(nnx.state(optimizer.opt_state.inner_state[0].trace))
+  assert_tp_step(params, momentum, metrics, m)
