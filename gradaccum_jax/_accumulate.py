@@ -288,8 +288,9 @@ def accum_dtype_for(like: Any, accum_dtype: Any) -> Any:
 
 
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
-  """Zeros shaped like ``params``, in ``accum_dtype`` (the params' dtypes if None)."""
-  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accum_dtype_for(p, accum_dtype)), params)
+  """Zeros like ``params`` (shapes and shardings), in ``accum_dtype`` (the params' dtypes if
+  None): an accumulator for sharded params is sharded like them, as optax's own state is."""
+  return jax.tree.map(lambda p: jnp.zeros_like(p, accum_dtype_for(p, accum_dtype)), params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -195,6 +195,25 @@ def test_sharded_params_match_the_big_batch_step_and_keep_their_sharding():
       assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("param_dtype,accum_dtype", [(jnp.bfloat16, jnp.float32), (None, None)])
+def test_init_shards_the_accumulator_like_the_params(kind, param_dtype, accum_dtype):
+  """Each device holds its shard of the accumulator from ``init`` on, as of optax's ``mu``,
+  not a whole one on the first device (a full-size buffer there, at FSDP scale)."""
+  mesh = mesh_1d(kind)
+  params = init_mlp(jax.random.key(0), SIZES)
+  if param_dtype is not None:
+    params = jax.tree.map(lambda x: x.astype(param_dtype), params)
+  p = put(params, mesh, FSDP)
+  state = ga.accumulate(optax.adam(1e-2), 2, accum_dtype=accum_dtype).init(p)
+  leaves = jax.tree.leaves(state.acc_grads)
+  for acc, mu, x in zip(leaves, jax.tree.leaves(state.inner_state[0].mu), jax.tree.leaves(p)):
+    assert acc.sharding == x.sharding == mu.sharding, (acc.sharding, x.sharding)
+    assert {s.data.shape for s in acc.addressable_shards} == {x.addressable_shards[0].data.shape}
+    assert acc.dtype == (x.dtype if accum_dtype is None else accum_dtype)
+    assert not np.any(np.asarray(acc.astype(jnp.float32)))
+
+
 @pytest.mark.slow
 def test_params_sharded_over_one_of_two_data_axes():
   """HSDP: the batch is split over ("replica", "data"); params sharded over "data" only."""
