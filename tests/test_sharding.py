@@ -207,7 +207,8 @@ def test_init_shards_the_accumulator_like_the_params(kind, param_dtype, accum_dt
   p = put(params, mesh, FSDP)
   state = ga.accumulate(optax.adam(1e-2), 2, accum_dtype=accum_dtype).init(p)
   leaves = jax.tree.leaves(state.acc_grads)
-  for acc, mu, x in zip(leaves, jax.tree.leaves(state.inner_state[0].mu), jax.tree.leaves(p)):
+  mus = jax.tree.leaves(state.inner_state[0].mu)
+  for acc, mu, x in zip(leaves, mus, jax.tree.leaves(p), strict=True):
     assert acc.sharding == x.sharding == mu.sharding, (acc.sharding, x.sharding)
     assert {s.data.shape for s in acc.addressable_shards} == {x.addressable_shards[0].data.shape}
     assert acc.dtype == (x.dtype if accum_dtype is None else accum_dtype)
