@@ -16,12 +16,20 @@ configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the sp
   ga_micro   gradaccum_jax.micro_step, k jitted calls from Python (no mesh)
 
 MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
-and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, min_scan, min_guard,
-microbat and ga one window each in turn: quantiles (p10, p25, median) of those single windows
-and ga's ratio to each at the same quantile, steadier on a shared machine than the rounds.
+and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, plain, min_scan,
+min_guard, microbat and ga one window each in turn: quantiles (p10, p25, median) of those
+single windows and ga's ratio to each at the same quantile, steadier on a shared machine than
+the rounds.
 
   python benchmarks/side_by_side.py --out benchmarks/results           # a few minutes
   python benchmarks/side_by_side.py --smoke --out /tmp/bench           # seconds
+
+XLA:CPU runs independent operations of one program on several threads at once, in an order
+its concurrency-optimized scheduler picks; how much overlaps differs between programs that do
+the same work. To compare the programs' work without that overlap:
+
+  XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false python \
+    benchmarks/side_by_side.py --configs adam:8,muon:32 --tag _sequential --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -209,23 +218,28 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
   }  # fmt: skip
 
 
-FUSED = ("min_scan", "min_guard", "microbat", "ga")
+FUSED = ("plain", "min_scan", "min_guard", "microbat", "ga")
 QUANTILES = (0.1, 0.25, 0.5)
+MIN_SINGLE = 20  # single windows per variant at least, after two warm-up windows
 
 
 def single_windows(runs, fresh, seconds):
-  """The fused variants one window each in turn, for about ``seconds``: quantiles of the
-  single-window times (ms) and ga's ratio to each other variant at every quantile.
+  """The plain step and the fused variants one window each in turn, for about ``seconds``:
+  quantiles of the single-window times (ms) and ga's ratio to each other variant at every
+  quantile.
 
   On a shared machine a slow window is the neighbours' doing, so the low quantiles of many
   short samples show what each program costs more steadily than the median of a few long
-  ones; the ratios compare the same quantile of windows timed side by side."""
+  ones; the ratios compare the same quantile of windows timed side by side. The order turns
+  by one variant every round, so that none always follows the same neighbour (whose data
+  it would find evicted from the caches in the same way every time)."""
   if seconds <= 0:
     return None
   states = {n: fresh(runs[n][0]) for n in FUSED}
   t0, times = time.perf_counter(), {n: [] for n in FUSED}
-  while time.perf_counter() - t0 < seconds or len(times["ga"]) < 20:
-    for n in FUSED:
+  while time.perf_counter() - t0 < seconds or len(times["ga"]) < 2 + MIN_SINGLE:
+    turn = len(times["ga"]) % len(FUSED)
+    for n in FUSED[turn:] + FUSED[:turn]:
       t = time.perf_counter()
       states[n] = jax.block_until_ready(runs[n][1](*states[n]))
       times[n].append((time.perf_counter() - t) * 1e3)
@@ -233,6 +247,7 @@ def single_windows(runs, fresh, seconds):
   return {
     "windows": len(times["ga"]) - 2, "ms": q,
     "ga_vs": {n: {p: q["ga"][p] / q[n][p] for p in q[n]} for n in FUSED if n != "ga"},
+    "min_scan_vs_plain": {p: q["min_scan"][p] / q["plain"][p] for p in q["plain"]},
   }  # fmt: skip
 
 
@@ -261,17 +276,33 @@ def single_table(rows):
   head = (
     "| opt | b | windows | "
     + " | ".join(f"{n} ms" for n in FUSED)
-    + " | ga / min_scan | ga / min_guard | ga / microbat |"
+    + " | ga / min_scan | ga / min_guard | ga / microbat | ga / plain | min_scan / plain |"
   )
-  lines = [head, "|" + "---|" * (len(FUSED) + 6)]
+  lines = [head, "|" + "---|" * (len(FUSED) + 8)]
   fmt = lambda d: "/".join(f"{d[str(p)]:.3f}" for p in QUANTILES)  # noqa: E731
   for r in rows:
     s = r["single"]
     lines.append(
       f"| {r['opt']} | {r['b']} | {s['windows']} | " + " | ".join(fmt(s["ms"][n]) for n in FUSED)
-      + " | " + " | ".join(fmt(s["ga_vs"][n]) for n in ("min_scan", "min_guard", "microbat")) + " |"
+      + " | " + " | ".join(
+        fmt(s["ga_vs"][n]) for n in ("min_scan", "min_guard", "microbat", "plain")
+      ) + f" | {fmt(s['min_scan_vs_plain'])} |"
     )  # fmt: skip
   return "\n".join(lines)
+
+
+def parse_configs(text):
+  """``"adam:8,muon:32"`` -> ``[("adam", 8), ("muon", 32)]``, or a ValueError naming the entry."""
+  configs = []
+  for entry in text.split(","):
+    opt, _, b = entry.strip().partition(":")
+    if opt not in ("adam", "muon") or not b.isdigit() or int(b) < 1:
+      raise ValueError(
+        f"--configs entry {entry!r} is not opt:b with opt adam or muon and b a positive int,"
+        " e.g. --configs adam:8,muon:32"
+      )
+    configs.append((opt, int(b)))
+  return configs
 
 
 def main(argv=None):
@@ -289,13 +320,15 @@ def main(argv=None):
     help="seconds per configuration of single windows of the fused variants, in turn",
   )  # fmt: skip
   ap.add_argument("--k", type=int, default=8)
-  args = ap.parse_args(argv)
-  sizes, configs, rounds, reps = (
-    SIZES,
-    [("adam", 8), ("adam", 32), ("adam", 256), ("muon", 32)],
-    args.rounds,
-    args.reps,
+  ap.add_argument(
+    "--configs", default="adam:8,adam:32,adam:256,muon:32",
+    help="comma-separated opt:b rows (opt: adam or muon)",
+  )  # fmt: skip
+  ap.add_argument(
+    "--tag", default="", help="suffix of the output files' names (side_by_side<tag>.json, .md)"
   )
+  args = ap.parse_args(argv)
+  sizes, configs, rounds, reps = SIZES, parse_configs(args.configs), args.rounds, args.reps
   if args.smoke:
     sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4)], 1, 2
     args.min_sample_s, args.single_s = 0.0, 0.1
@@ -307,11 +340,14 @@ def main(argv=None):
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "gradaccum_jax": ga.__version__, "rounds": rounds, "reps": reps, "k": args.k, "sizes": sizes,
     "min_sample_s": args.min_sample_s, "single_s": args.single_s,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }  # fmt: skip
   md = (
     "# Step time side by side\n\n"
     f"Side by side, k={args.k}, MLP {'-'.join(map(str, sizes))}; {meta['date']}, {meta['machine']},"
-    f" jax {meta['jax']}, optax {meta['optax']}; medians of {rounds} rounds; a round times"
+    f" jax {meta['jax']}, optax {meta['optax']}"
+    + (f", XLA_FLAGS={meta['xla_flags']}" if meta["xla_flags"] else "")
+    + f"; medians of {rounds} rounds; a round times"
     f" every variant on at least {reps} windows, and at least {args.min_sample_s} s of minimal"
     " scan windows (reps per row in the JSON); ratio to plain (min-max over rounds).\n\n"
     + table(rows)
@@ -327,8 +363,9 @@ def main(argv=None):
   print(md)
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "side_by_side.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / "side_by_side.md").write_text(md)
+    name = f"side_by_side{args.tag}"
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{name}.md").write_text(md)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/step_time.py: the --smoke run exits 0 and writes its results."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -117,20 +118,33 @@ def test_sharding_smoke(tmp_path):
 
 
 def test_side_by_side_smoke(tmp_path):
-  run_script([sys.executable, "benchmarks/side_by_side.py", "--smoke", "--out", str(tmp_path)])
-  result = json.loads((tmp_path / "side_by_side.json").read_text())
+  run_script(
+    [sys.executable, "benchmarks/side_by_side.py", "--smoke", "--out", str(tmp_path), "--tag", "_t"]
+  )
+  result = json.loads((tmp_path / "side_by_side_t.json").read_text())
   assert [(r["opt"], r["b"]) for r in result["rows"]] == [("adam", 4)]
+  assert result["meta"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   for row in result["rows"]:
     assert set(row["ratio"]) == {
       "plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_stream", "ga_micro"
     }  # fmt: skip
     assert max(row["max_abs_diff_to_plain"].values()) < 1e-3  # every variant trains alike
     single = row["single"]  # single windows in turn: quantiles, and ga's ratio at each
-    assert single["windows"] >= 20 and set(single["ga_vs"]) == {"min_scan", "min_guard", "microbat"}
+    assert single["windows"] >= 20
+    assert set(single["ga_vs"]) == {"plain", "min_scan", "min_guard", "microbat"}
     for n, q in single["ga_vs"].items():
       assert q["0.5"] == pytest.approx(single["ms"]["ga"]["0.5"] / single["ms"][n]["0.5"])
-  md = (tmp_path / "side_by_side.md").read_text()
+    ms = single["ms"]
+    assert single["min_scan_vs_plain"]["0.1"] == pytest.approx(
+      ms["min_scan"]["0.1"] / ms["plain"]["0.1"]
+    )
+  md = (tmp_path / "side_by_side_t.md").read_text()
   assert "| opt | b | plain ms |" in md and "| opt | b | windows |" in md
+  bad = subprocess.run(
+    [sys.executable, "benchmarks/side_by_side.py", "--configs", "adam:8,sgd:32"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert bad.returncode != 0 and "--configs entry 'sgd:32'" in bad.stderr
 
 
 def test_noise_scale_smoke(tmp_path):
