@@ -11,7 +11,8 @@ configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the sp
   min_guard  min_scan plus what skip_nonfinite=True (ga's default) adds, written by hand: the
              squared global norm of the mean, and the update run only if it is finite (a
              while loop of 0 or 1 trips, in place): the floor for a step that voids bad windows
-  ga         gradaccum_jax.train_step (fused scan + one update)
+  ga         gradaccum_jax.train_step (fused scan + one update), donated like the others
+  ga_undonated  the same with donate=False (new buffers for params and state every window)
   ga_stream  gradaccum_jax.accumulate, k jitted micro-steps (grad + tx.update) from Python
   ga_micro   gradaccum_jax.micro_step, k jitted calls from Python (no mesh)
 
@@ -26,7 +27,7 @@ the rounds.
 
 XLA:CPU runs independent operations of one program on several threads at once, in an order
 its concurrency-optimized scheduler picks; how much overlaps differs between programs that do
-the same work. To compare the programs' work without that overlap:
+the same work. To compare the programs with less of that overlap:
 
   XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false python \
     benchmarks/side_by_side.py --configs adam:8,muon:32 --tag _sequential --out benchmarks/results
@@ -51,7 +52,10 @@ import optax
 import gradaccum_jax as ga
 
 SIZES = (784, 512, 512, 10)
-VARIANTS = ("plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_stream", "ga_micro")
+VARIANTS = (
+  "plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_undonated", "ga_stream",
+  "ga_micro",
+)  # fmt: skip
 
 
 def init(key, sizes):
@@ -133,6 +137,7 @@ def variants(opt_name, k, b, sizes):
     return jax.lax.while_loop(lambda c: c[0], update, (finite, (p, s)))[1]
 
   ga_step = ga.train_step(loss_fn, tx, donate=True)
+  ga_undonated = ga.train_step(loss_fn, tx, donate=False)
 
   @jit
   def ga_micro(p, s, mb):
@@ -148,6 +153,7 @@ def variants(opt_name, k, b, sizes):
     "min_scan": (opt, lambda p, s: min_scan(p, s, batch)),
     "min_guard": (opt, lambda p, s: min_guard(p, s, batch)),
     "ga": (tx, lambda p, s: ga_step(p, s, batch)[:2]),
+    "ga_undonated": (tx, lambda p, s: ga_undonated(p, s, batch)[:2]),
     "ga_stream": (tx, loop(ga_micro)),
     "ga_micro": (micro, loop(lambda p, s, mb: micro(p, s, mb)[:2])),
   }
@@ -218,7 +224,7 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
   }  # fmt: skip
 
 
-FUSED = ("plain", "min_scan", "min_guard", "microbat", "ga")
+FUSED = ("plain", "min_scan", "min_guard", "microbat", "ga", "ga_undonated")
 QUANTILES = (0.1, 0.25, 0.5)
 MIN_SINGLE = 20  # single windows per variant at least, after two warm-up windows
 
@@ -248,6 +254,7 @@ def single_windows(runs, fresh, seconds):
     "windows": len(times["ga"]) - 2, "ms": q,
     "ga_vs": {n: {p: q["ga"][p] / q[n][p] for p in q[n]} for n in FUSED if n != "ga"},
     "min_scan_vs_plain": {p: q["min_scan"][p] / q["plain"][p] for p in q["plain"]},
+    "undonated_vs_min_scan": {p: q["ga_undonated"][p] / q["min_scan"][p] for p in q["plain"]},
   }  # fmt: skip
 
 
@@ -276,9 +283,10 @@ def single_table(rows):
   head = (
     "| opt | b | windows | "
     + " | ".join(f"{n} ms" for n in FUSED)
-    + " | ga / min_scan | ga / min_guard | ga / microbat | ga / plain | min_scan / plain |"
+    + " | ga / min_scan | ga / min_guard | ga / microbat | ga / plain | min_scan / plain"
+    + " | ga_undonated / min_scan |"
   )
-  lines = [head, "|" + "---|" * (len(FUSED) + 8)]
+  lines = [head, "|" + "---|" * (len(FUSED) + 9)]
   fmt = lambda d: "/".join(f"{d[str(p)]:.3f}" for p in QUANTILES)  # noqa: E731
   for r in rows:
     s = r["single"]
@@ -286,7 +294,7 @@ def single_table(rows):
       f"| {r['opt']} | {r['b']} | {s['windows']} | " + " | ".join(fmt(s["ms"][n]) for n in FUSED)
       + " | " + " | ".join(
         fmt(s["ga_vs"][n]) for n in ("min_scan", "min_guard", "microbat", "plain")
-      ) + f" | {fmt(s['min_scan_vs_plain'])} |"
+      ) + f" | {fmt(s['min_scan_vs_plain'])} | {fmt(s['undonated_vs_min_scan'])} |"
     )  # fmt: skip
   return "\n".join(lines)
 
@@ -355,7 +363,8 @@ def main(argv=None):
   )
   if all(r["single"] for r in rows):
     md += (
-      f"\nSingle windows of the fused variants in turn, about {args.single_s} s per row:"
+      f"\nSingle windows of the plain step and the fused variants in turn, about {args.single_s} s"
+      " per row:"
       f" p10/p25/median of the window times (ms), and ga's ratio to each at the same quantile.\n\n"
       + single_table(rows)
       + "\n"
