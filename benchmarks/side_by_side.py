@@ -18,9 +18,9 @@ configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the sp
 
 MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
 and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, plain, min_scan,
-min_guard, microbat and ga one window each in turn: quantiles (p10, p25, median) of those
-single windows and ga's ratio to each at the same quantile, steadier on a shared machine than
-the rounds.
+min_guard, microbat, ga and ga_undonated one window each in turn: quantiles (p10, p25, median)
+of those single windows and ga's ratio to each at the same quantile, steadier on a shared
+machine than the rounds.
 
   python benchmarks/side_by_side.py --out benchmarks/results           # a few minutes
   python benchmarks/side_by_side.py --smoke --out /tmp/bench           # seconds
@@ -325,7 +325,7 @@ def main(argv=None):
   )  # fmt: skip
   ap.add_argument(
     "--single-s", type=float, default=20.0,
-    help="seconds per configuration of single windows of the fused variants, in turn",
+    help="seconds per configuration of single windows of plain and the fused variants, in turn",
   )  # fmt: skip
   ap.add_argument("--k", type=int, default=8)
   ap.add_argument(
