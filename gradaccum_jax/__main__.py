@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -221,10 +222,24 @@ def _main(argv: list[str] | None) -> int:
     f"ga.train_step {k} x {b}": (accum_step, tx.init(params0), windows[0], run_window),
     f"optax.MultiSteps {k} x {b}": (multi_micro_step, multi.init(params0), micro[0][0], run_micro),
   }
+  results = _train(runs, params0, args, (x_tr, y_tr, x_te, y_te), tqdm)
+  print("\n| run | final train loss | test accuracy | ms / window (median) |")
+  print("|---|---|---|---|")
+  for name, r in results.items():
+    print(f"| {name} | {r['train_loss']:.4f} | {r['test_acc']:.4f} | {r['ms']:.2f} |")
+  agree = _report_agreement(results, args.steps)
+  print(f"loss curves: {_plot_losses(results, args, plt)}")
+  return 0 if agree else 1
+
+
+def _train(runs: dict, params0: Any, args: argparse.Namespace, data: tuple, tqdm: Any) -> dict:
+  """Each run from ``params0`` for ``args.steps`` windows, compiled before timing: its final
+  params, window losses, train loss, test accuracy and median ms per window."""
+  x_tr, y_tr, x_te, y_te = data
   results = {}
   show_bar = not args.quiet and sys.stderr.isatty()
   for name, (jitted, state, example, run) in runs.items():
-    compiled = jitted.lower(params0, state, example).compile()  # compiled before timing
+    compiled = jitted.lower(params0, state, example).compile()
     params, losses, times = params0, [], []
     for i in tqdm(range(args.steps), desc=name, disable=not show_bar, leave=False):
       start = time.perf_counter()
@@ -241,23 +256,27 @@ def _main(argv: list[str] | None) -> int:
       "test_acc": test_acc,
       "ms": 1e3 * float(np.median(times[1:] or times)),  # the first window is a warm-up
     }
+  return results
 
-  print("\n| run | final train loss | test accuracy | ms / window (median) |")
-  print("|---|---|---|---|")
-  for name, r in results.items():
-    print(f"| {name} | {r['train_loss']:.4f} | {r['test_acc']:.4f} | {r['ms']:.2f} |")
 
+def _report_agreement(results: dict, steps: int) -> bool:
+  """Prints each run's relative parameter difference to the first run; True if all are within
+  TOLERANCE."""
   ref_name, *others = results
   ref = results[ref_name]["params"]
   agree = True
-  print(f"\nrelative parameter difference to the {ref_name} after {args.steps} updates:")
+  print(f"\nrelative parameter difference to the {ref_name} after {steps} updates:")
   for name in others:
     rel = rel_diff(ref, results[name]["params"])
     ok = rel < TOLERANCE
     agree &= ok
     print(f"  {name}: {rel:.1e} ({'ok' if ok else 'TOO LARGE'})")
   print(f"-> {'the runs agree' if agree else 'THE RUNS DISAGREE'} (tolerance {TOLERANCE:.0e})")
+  return agree
 
+
+def _plot_losses(results: dict, args: argparse.Namespace, plt: Any) -> str:
+  """The runs' window losses on a log scale, saved as ``<args.out>/loss_curves.png``."""
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "loss_curves.png")
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
@@ -271,14 +290,14 @@ def _main(argv: list[str] | None) -> int:
   ax.set_yscale("log")
   ax.set_xlabel("optimizer update (window)")
   ax.set_ylabel("training loss of the window")
-  ax.set_title(f"digits MLP, adam lr={args.lr:g}, effective batch {rows} = {k} x {b}")
+  k, b = args.k, args.microbatch_size
+  ax.set_title(f"digits MLP, adam lr={args.lr:g}, effective batch {k * b} = {k} x {b}")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend()
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
-  print(f"loss curves: {path}")
-  return 0 if agree else 1
+  return path
 
 
 if __name__ == "__main__":
