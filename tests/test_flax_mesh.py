@@ -1,5 +1,6 @@
 """Flax Linen and NNX steps data-parallel on 8 CPU devices (BatchNorm, dropout): replicated, FSDP,
-and tensor-parallel params on a data x model mesh (at the end, against the big-batch step).
+and tensor-parallel (TP, and FSDP + TP with both gather policies) params on a data x model mesh
+(at the end, against the big-batch step).
 
 The reference is a hand loop on one device over the (device, micro-batch) groups the mesh step
 forms: device ``d`` holds rows ``d B/D .. (d+1) B/D - 1`` and splits them into ``K`` strided
@@ -257,9 +258,11 @@ def test_nnx_step_on_a_mesh_has_no_collective_in_the_loop():
 
 
 # --- tensor parallelism: a Dense kernel sharded over "model" on its output dim, the next on its
-# input dim, on a 4 x 2 ("data", "model") mesh, against the big-batch step on one device --------
+# input dim, on a 4 x 2 ("data", "model") mesh, against the big-batch step on one device; then
+# FSDP + TP, the other dim of each kernel (and the out bias) sharded over "data" too -------------
 
-TP_SIZES = (8, 16, 3)  # inputs, hidden units (split over "model"), classes
+# inputs, hidden units (split over "model"), classes; the inputs and classes divide by 4 ("data")
+TP_SIZES = (8, 16, 4)
 TP_K = 2
 TP_ROWS = 4 * TP_K * 2  # two rows per data device per micro-batch
 # sgd, not adam: adam's update is blind to a gradient off by a constant factor (say, summed
@@ -269,6 +272,16 @@ TP_INNER = optax.sgd(0.5, momentum=0.9)
 TP_SPECS = {
   "hidden": {"kernel": P(None, "model"), "bias": P("model")},
   "out": {"kernel": P("model", None), "bias": P()},
+}
+FSDP_TP_SPECS = {
+  "hidden": {"kernel": P("data", "model"), "bias": P("model")},
+  "out": {"kernel": P("model", "data"), "bias": P("data")},
+}
+# layout: (param specs, gather_params).
+TP_LAYOUTS = {
+  "tp": (TP_SPECS, "once"),
+  "fsdp_tp_once": (FSDP_TP_SPECS, "once"),
+  "fsdp_tp_per_microbatch": (FSDP_TP_SPECS, "per_microbatch"),
 }
 
 
@@ -358,44 +371,47 @@ class NnxTP(nnx.Module):
     return self.out(h, out_sharding=tp_out_sharding(h, self.out.kernel[...]))
 
 
-def assert_tp_step(params, momentum, metrics, m):
-  """Two windows equal two big-batch steps, and the params and their momentum keep TP_SPECS."""
+def assert_tp_step(params, momentum, metrics, m, specs):
+  """Two windows equal two big-batch steps, and the params and their momentum keep specs."""
   expected, expected_loss, expected_norm = tp_reference()
   assert bool(metrics["updated"])
   assert_trees_close(params, expected)
   np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
   np.testing.assert_allclose(metrics["grad_norm"], expected_norm, rtol=1e-5)
   for tree in (params, momentum):
-    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(TP_SPECS), strict=True):
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs), strict=True):
       assert leaf.sharding.is_equivalent_to(NamedSharding(m, spec), leaf.ndim), (leaf, spec)
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_linen_step_with_tensor_parallel_params_matches_the_big_batch_step(kind):
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_linen_step_with_tensor_parallel_params_matches_the_big_batch_step(layout, kind):
   """On an explicit mesh nn.Dense names the sharding of its product (explicit_dot_general)."""
-  m, model = tp_mesh(kind), LinenTP()
-  params = put(tp_params(), m, TP_SPECS)
+  (specs, gather), m, model = TP_LAYOUTS[layout], tp_mesh(kind), LinenTP()
+  params = put(tp_params(), m, specs)
   tx = ga.accumulate(TP_INNER, TP_K)
   state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  step = ga.linen_train_step(model, xent, mesh=m, param_specs=TP_SPECS)
+  step = ga.linen_train_step(model, xent, mesh=m, param_specs=specs, gather_params=gather)
   for batch in tp_batches():
     state, metrics = step(state, put(batch, m, P("data")))
   assert int(state.step) == 2
-  assert_tp_step(state.params, state.opt_state.inner_state[0].trace, metrics, m)
+  assert_tp_step(state.params, state.opt_state.inner_state[0].trace, metrics, m, specs)
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(kind):
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(layout, kind):
   """On an explicit mesh nnx.Linear is called with out_sharding= (tp_out_sharding)."""
-  m, model = tp_mesh(kind), nnx.eval_shape(NnxTP)  # the params are tp_params()
+  (specs, gather), m = TP_LAYOUTS[layout], tp_mesh(kind)
+  model = nnx.eval_shape(NnxTP)  # the params are tp_params()
   state = nnx.state(model)
-  nnx.replace_by_pure_dict(state, put(tp_params(), m, TP_SPECS))
+  nnx.replace_by_pure_dict(state, put(tp_params(), m, specs))
   nnx.update(model, state)
   optimizer = nnx.Optimizer(model, ga.accumulate(TP_INNER, TP_K), wrt=nnx.Param)
-  step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=TP_SPECS)
+  step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=specs, gather_params=gather)
   for batch in tp_batches():
     metrics = step(model, optimizer, put(batch, m, P("data")))
   assert int(optimizer.opt_state.count[...]) == 2
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   momentum = nnx.to_pure_dict(nnx.state(optimizer.opt_state.inner_state[0].trace))
-  assert_tp_step(params, momentum, metrics, m)
+  assert_tp_step(params, momentum, metrics, m, specs)
