@@ -177,6 +177,12 @@ def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _off_data(x: Any, axes: tuple[str, ...]) -> P:
+  """``x``'s spec (on an explicit mesh) without the data ``axes``: replicated over them."""
+  kept = [tuple(n for n in _names(e) if n not in axes) for e in jax.typeof(x).sharding.spec]
+  return P(*[None if not n else n[0] if len(n) == 1 else n for n in kept])
+
+
 def _names(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -480,10 +486,12 @@ def over_mesh(
     )
     args = (params, *args[1:])
   if explicit:
+    # The rest (model state, keys, scalars) replicated over the data axes only: model state
+    # sharded over a model axis (TP BatchNorm statistics) keeps it, as the scan carry must.
     args = (
       params,
       jax.tree.map(lambda x: _place(x, mesh, batch_spec), batch),
-      *(jax.tree.map(lambda x: _place(x, mesh, P()), a) for a in args[2:]),
+      *(jax.tree.map(lambda x: _place(x, mesh, _off_data(x, axes)), a) for a in args[2:]),
     )
   reduce = jax.shard_map(
     per_device,

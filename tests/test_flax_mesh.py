@@ -1,6 +1,7 @@
 """Flax Linen and NNX steps data-parallel on 8 CPU devices (BatchNorm, dropout): replicated, FSDP,
 and tensor-parallel (TP, and FSDP + TP with both gather policies) params on a data x model mesh
-(at the end, against the big-batch step).
+(at the end, against the big-batch step), and TP with a model-sharded BatchNorm (last, against
+the device-group reference below with 4 data devices).
 
 The reference is a hand loop on one device over the (device, micro-batch) groups the mesh step
 forms: device ``d`` holds rows ``d B/D .. (d+1) B/D - 1`` and splits them into ``K`` strided
@@ -48,11 +49,11 @@ def fsdp_specs(params):
   return jax.tree.map(lambda x: P("data") if x.shape and x.shape[0] % D == 0 else P(), params)
 
 
-def device_groups(batch):
-  """[(d, i, micro-batch i of device d)] in the mesh step's layout."""
-  rows = B // D
+def device_groups(batch, devices=D):
+  """[(d, i, micro-batch i of device d)] in the mesh step's layout, ``devices`` data devices."""
+  rows = len(batch["y"]) // devices
   out = []
-  for d in range(D):
+  for d in range(devices):
     local = jax.tree.map(lambda x, d=d: x[d * rows : (d + 1) * rows], batch)
     out.extend((d, i, ga.microbatch(local, i, K)) for i in range(K))
   return out
@@ -68,9 +69,10 @@ def xent(logits, mb):
   return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
 
 
-def adam_step(params, grads):
-  adam = optax.adam(LR)
-  updates, _ = adam.update(grads, adam.init(params), params)
+def first_update(params, grads, inner=None):
+  """One step of ``inner`` (default adam) from its initial state."""
+  inner = optax.adam(LR) if inner is None else inner
+  updates, _ = inner.update(grads, inner.init(params), params)
   return optax.apply_updates(params, updates)
 
 
@@ -117,9 +119,9 @@ def linen_group(model, params, stats, mb, key):
   return jax.value_and_grad(loss, has_aux=True)(params)
 
 
-def linen_reference(model, params, stats, batch, rng):
+def linen_reference(model, params, stats, batch, rng, devices=D, inner=None):
   grads, losses, final_stats, s = [], [], [], stats
-  for d, i, mb in device_groups(batch):
+  for d, i, mb in device_groups(batch, devices):
     s = stats if i == 0 else s
     key = jax.random.fold_in(jax.random.fold_in(rng, d), i)
     (loss, s), g = linen_group(model, params, s, mb, key)
@@ -127,7 +129,7 @@ def linen_reference(model, params, stats, batch, rng):
     losses.append(loss)
     if i == K - 1:
       final_stats.append(s)
-  return adam_step(params, mean_over(grads)), mean_over(final_stats), np.mean(losses)
+  return first_update(params, mean_over(grads), inner), mean_over(final_stats), np.mean(losses)
 
 
 @pytest.mark.slow
@@ -200,12 +202,12 @@ def nnx_group(model, mb):
   return nnx.value_and_grad(nnx_xent)(model, mb)
 
 
-def nnx_reference(model, batch):
+def nnx_reference(model, batch, devices=D, inner=None):
   """Every device starts from a copy of the model and threads its state (BatchNorm, rng
   counters) through its own micro-batches; statistics are averaged and counters maxed over
   the devices."""
   grads, losses, finals = [], [], []
-  for _, i, mb in device_groups(batch):
+  for _, i, mb in device_groups(batch, devices):
     if i == 0:
       copy = nnx.clone(model)
     loss, g = nnx_group(copy, mb)
@@ -222,7 +224,7 @@ def nnx_reference(model, batch):
     return xs[0]  # rng keys: unchanged
 
   new_rest = jax.tree.map(over_devices, *finals)
-  new_params = adam_step(nnx.to_pure_dict(nnx.state(model, nnx.Param)), mean_over(grads))
+  new_params = first_update(nnx.to_pure_dict(nnx.state(model, nnx.Param)), mean_over(grads), inner)
   return new_params, new_rest, np.mean(losses)
 
 
@@ -290,25 +292,34 @@ def tp_mesh(kind):
   return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
 
 
-def tp_params():
-  """The params of both models, from numpy (no init programs to compile)."""
+def tp_params(batchnorm=False):
+  """The params of both models, from numpy (no init programs to compile); with ``batchnorm``
+  also the BatchNorm's scale and bias (named "bn") and its running statistics, returned as
+  ``(params, batch_stats)``."""
   rng = np.random.default_rng(4)
-  return {
+  params = {
     name: {
       "kernel": (rng.standard_normal((m, n)) / np.sqrt(m)).astype(np.float32),
       "bias": (0.1 * rng.standard_normal(n)).astype(np.float32),
     }
     for name, m, n in (("hidden", *TP_SIZES[:2]), ("out", *TP_SIZES[1:]))
   }
+  if not batchnorm:
+    return params
+  n = TP_SIZES[1]
+  near_one = lambda: (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+  params["bn"] = {"scale": near_one(), "bias": (0.1 * rng.standard_normal(n)).astype(np.float32)}
+  stats = {"bn": {"mean": (0.1 * rng.standard_normal(n)).astype(np.float32), "var": near_one()}}
+  return params, stats
 
 
-def tp_batches():
-  """Two windows of TP_ROWS rows."""
+def tp_batches(rows=TP_ROWS):
+  """Two windows of ``rows`` rows."""
   rng = np.random.default_rng(5)
   return [
     {
-      "x": rng.standard_normal((TP_ROWS, TP_SIZES[0])).astype(np.float32),
-      "y": rng.integers(0, TP_SIZES[-1], TP_ROWS).astype(np.int32),
+      "x": rng.standard_normal((rows, TP_SIZES[0])).astype(np.float32),
+      "y": rng.integers(0, TP_SIZES[-1], rows).astype(np.int32),
     }
     for _ in range(2)
   ]
@@ -354,21 +365,38 @@ def explicit_dot_general(lhs, rhs, dimension_numbers, precision=None, **kwargs):
 
 
 class LinenTP(nn.Module):
+  """With ``batchnorm``, a BatchNorm ("bn") on the hidden units: over "model" like them."""
+
+  batchnorm: bool = False
+
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train: bool = True):
     h = nn.Dense(TP_SIZES[1], dot_general=explicit_dot_general, name="hidden")(x)
+    if self.batchnorm:
+      h = nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn")(h)
     return nn.Dense(TP_SIZES[2], dot_general=explicit_dot_general, name="out")(jnp.tanh(h))
 
 
 class NnxTP(nnx.Module):
-  def __init__(self):
+  def __init__(self, batchnorm=False):
     rngs = nnx.Rngs(params=0)
     self.hidden = nnx.Linear(TP_SIZES[0], TP_SIZES[1], rngs=rngs)
+    self.bn = nnx.BatchNorm(TP_SIZES[1], momentum=0.9, rngs=rngs) if batchnorm else None
     self.out = nnx.Linear(TP_SIZES[1], TP_SIZES[2], rngs=rngs)
 
   def __call__(self, x):
-    h = jnp.tanh(self.hidden(x, out_sharding=tp_out_sharding(x, self.hidden.kernel[...])))
+    h = self.hidden(x, out_sharding=tp_out_sharding(x, self.hidden.kernel[...]))
+    h = jnp.tanh(h if self.bn is None else self.bn(h))
     return self.out(h, out_sharding=tp_out_sharding(h, self.out.kernel[...]))
+
+
+def nnx_tp_model(values, batchnorm=False):
+  """An NnxTP holding ``values`` (its nnx.to_pure_dict, placed or not): no init to compile."""
+  model = nnx.eval_shape(functools.partial(NnxTP, batchnorm))
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, values)
+  nnx.update(model, state)
+  return model
 
 
 def assert_tp_step(params, momentum, metrics, m, specs):
@@ -403,10 +431,7 @@ def test_linen_step_with_tensor_parallel_params_matches_the_big_batch_step(layou
 def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(layout, kind):
   """On an explicit mesh nnx.Linear is called with out_sharding= (tp_out_sharding)."""
   (specs, gather), m = TP_LAYOUTS[layout], tp_mesh(kind)
-  model = nnx.eval_shape(NnxTP)  # the params are tp_params()
-  state = nnx.state(model)
-  nnx.replace_by_pure_dict(state, put(tp_params(), m, specs))
-  nnx.update(model, state)
+  model = nnx_tp_model(put(tp_params(), m, specs))
   optimizer = nnx.Optimizer(model, ga.accumulate(TP_INNER, TP_K), wrt=nnx.Param)
   step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=specs, gather_params=gather)
   for batch in tp_batches():
@@ -415,3 +440,61 @@ def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(layout,
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   momentum = nnx.to_pure_dict(nnx.state(optimizer.opt_state.inner_state[0].trace))
   assert_tp_step(params, momentum, metrics, m, specs)
+
+
+# --- tensor parallelism with BatchNorm: "bn" after the hidden layer, its scale, bias and running
+# statistics sharded over "model" like the hidden units, against the device-group reference on
+# one device (4 data devices, each threading the statistics through its micro-batches) ---------
+
+TP_BN_SPECS = {**TP_SPECS, "bn": {"scale": P("model"), "bias": P("model")}}
+TP_BN_STATS_SPECS = {"bn": {"mean": P("model"), "var": P("model")}}
+TP_DATA = 4  # data devices of tp_mesh
+TP_BN_ROWS = TP_DATA * K * 4  # four rows per data device per micro-batch: BatchNorm sees 4
+
+
+def assert_tp_batchnorm_step(params, stats, loss, reference, m):
+  """The device-group reference's params, statistics and loss; the specs kept."""
+  ref_params, ref_stats, ref_loss = reference
+  assert_trees_close(params, ref_params, rtol=1e-5)
+  assert_trees_close(stats, ref_stats, rtol=1e-5)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for tree, specs in ((params, TP_BN_SPECS), (stats, TP_BN_STATS_SPECS)):
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs), strict=True):
+      assert leaf.sharding.is_equivalent_to(NamedSharding(m, spec), leaf.ndim), (leaf, spec)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_linen_step_with_tensor_parallel_batchnorm_matches_the_device_group_reference(kind):
+  m, model = tp_mesh(kind), LinenTP(batchnorm=True)
+  (params, stats), batch = tp_params(batchnorm=True), tp_batches(TP_BN_ROWS)[0]
+  state = TrainState.create(
+    apply_fn=model.apply,
+    params=put(params, m, TP_BN_SPECS),
+    batch_stats=put(stats, m, TP_BN_STATS_SPECS),
+    tx=ga.accumulate(TP_INNER, K),
+  )
+  step = ga.linen_train_step(model, xent, mesh=m, param_specs=TP_BN_SPECS)
+  state, metrics = step(state, put(batch, m, P("data")))
+  # The model draws no keys: the reference's are unused.
+  reference = linen_reference(
+    model, params, stats, batch, jax.random.key(0), devices=TP_DATA, inner=TP_INNER
+  )
+  assert int(state.step) == 1 and bool(metrics["updated"])
+  assert_tp_batchnorm_step(state.params, state.batch_stats, metrics["loss"], reference, m)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_nnx_step_with_tensor_parallel_batchnorm_matches_the_device_group_reference(kind):
+  m = tp_mesh(kind)
+  (params, stats), batch = tp_params(batchnorm=True), tp_batches(TP_BN_ROWS)[0]
+  values = {**params, "bn": {**params["bn"], **stats["bn"]}}  # nnx.BatchNorm holds both
+  reference = nnx_reference(nnx_tp_model(values, True), batch, devices=TP_DATA, inner=TP_INNER)
+
+  model = nnx_tp_model(put(values, m, {**TP_BN_SPECS, "bn": P("model")}), True)
+  optimizer = nnx.Optimizer(model, ga.accumulate(TP_INNER, K), wrt=nnx.Param)
+  step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=TP_BN_SPECS)
+  metrics = step(model, optimizer, put(batch, m, P("data")))
+  assert int(optimizer.opt_state.count[...]) == 1 and bool(metrics["updated"])
+  new_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+  assert_tp_batchnorm_step(new_params, new_stats, metrics["loss"], reference, m)
