@@ -25,6 +25,7 @@ from gradaccum_jax._parts import NoiseSums, Sums, sum_dtype
 from gradaccum_jax._sharding import (
   DataParallel,
   _leaf_plans,
+  _off_data,
   _place,
   _reduce_state,
   place_params,
@@ -324,7 +325,11 @@ class MicroStep:
         rng,
         jax.tree.map(lambda x, s: _place(x, mesh, s), partial, partial_specs),
         jax.tree.map(lambda x: _place(x, mesh, slot), noise),
-        *(jax.tree.map(lambda x: _place(x, mesh, P()), a) for a in (model_state, scale)),
+        # Replicated over the data axes only: state sharded over a model axis keeps it.
+        *(
+          jax.tree.map(lambda x: _place(x, mesh, _off_data(x, axes)), a)
+          for a in (model_state, scale)
+        ),
       )
     add = jax.shard_map(
       per_device,

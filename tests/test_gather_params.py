@@ -360,6 +360,49 @@ def test_micro_step_with_tensor_parallel_params_matches_the_big_batch_step(specs
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_micro_step_keeps_model_state_sharded_over_the_model_axis(kind):
+  """Model state sharded over "model" (a running mean of the TP layer's hidden units) through
+  ga.micro_step on a 4x2 mesh: each call averages the devices' state, so with equal rows per
+  device it is the running mean of each whole micro-batch's hidden units, the closed form here.
+  Before, the state was replicated over the model axis too and an explicit mesh raised a scan
+  carry type mismatch."""
+  mesh, k, m = mesh_2d(kind), 2, 0.5
+
+  def named(x, spec):  # an explicit mesh wants each product's output sharding said
+    mesh_of_x = jax.typeof(x).sharding.mesh
+    return None if kind == "auto" or mesh_of_x.empty else NamedSharding(mesh_of_x, spec)
+
+  def hidden(params, x):
+    w, b = params["layer0"]["w"], params["layer0"]["b"]
+    out = named(x, P(jax.typeof(x).sharding.spec[0], "model"))
+    return jnp.tanh(jnp.matmul(x, w, out_sharding=out) + b)
+
+  def loss_fn(params, state, mb):
+    h = hidden(params, mb["x"])
+    out = named(h, P(jax.typeof(h).sharding.spec[0], None))
+    logits = jnp.matmul(h, params["layer1"]["w"], out_sharding=out) + params["layer1"]["b"]
+    xent = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), mb["y"][:, None], axis=1))
+    return xent, {"ema": m * state["ema"] + (1 - m) * jnp.mean(h, axis=0)}
+
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(4 * k * 2)
+  expected, _ = plain_steps(xent_loss, optax.sgd(1e-2, momentum=0.9), params, [batch])
+  ema = jnp.zeros(SIZES[1])
+  for i in range(k):
+    ema = m * ema + (1 - m) * jnp.mean(hidden(params, ga.microbatch(batch, i, k)["x"]), axis=0)
+  tx = ga.accumulate(optax.sgd(1e-2, momentum=0.9), k)
+  step = ga.micro_step(loss_fn, tx, has_state=True, mesh=mesh, param_specs=TP)
+  p, s = put(params, mesh, TP), put({"ema": jnp.zeros(SIZES[1])}, mesh, P("model"))
+  state = step.init(p)
+  for i in range(k):
+    p, s, state, metrics = step(p, s, state, put(ga.microbatch(batch, i, k), mesh, P("data")))
+  assert bool(metrics["updated"])
+  assert_trees_close(p, expected)
+  np.testing.assert_allclose(s["ema"], ema, rtol=1e-5, atol=1e-6)
+  assert s["ema"].sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1), s["ema"].sharding
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 
