@@ -9,8 +9,9 @@ configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the sp
   microbat   optax.microbatching.microbatch(grad) then the optimizer once
   min_scan   a minimal lax.scan over the same strided micro-batches, mean, optimizer once
   min_guard  min_scan plus what skip_nonfinite=True (ga's default) adds, written by hand: the
-             squared global norm of the mean, and the update run only if it is finite (a
-             while loop of 0 or 1 trips, in place): the floor for a step that voids bad windows
+             squared global norm of the mean (each matrix summed by rows first, as ga does),
+             and the update run only if it is finite (a while loop of 0 or 1 trips, in place):
+             the floor for a step that voids bad windows
   ga         gradaccum_jax.train_step (fused scan + one update), donated like the others
   ga_undonated  the same with donate=False (new buffers for params and state every window)
   ga_stream  gradaccum_jax.accumulate, k jitted micro-steps (grad + tx.update) from Python
@@ -127,7 +128,8 @@ def variants(opt_name, k, b, sizes):
   def min_guard(p, s, bt):
     acc = grad_sum(p, bt)
     mean = jax.tree.map(lambda a: a / k, acc)
-    finite = jnp.isfinite(sum(jnp.sum(m * m) for m in jax.tree.leaves(mean)))
+    # Rows first, then their sum, as ga does: XLA:CPU runs a reduction to a scalar on one thread
+    finite = jnp.isfinite(sum(jnp.sum(jnp.sum(m * m, axis=-1)) for m in jax.tree.leaves(mean)))
 
     def update(c):
       _, (p, s) = c
