@@ -358,6 +358,7 @@ class _Accumulator:
     extra_args: dict[str, Any],
     apply: bool = False,
     in_place: bool = False,
+    norm_by_rows: bool = False,
   ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
@@ -376,6 +377,9 @@ class _Accumulator:
     ones. Selects between new and old values (the default, best without donation, where the
     results go to new buffers anyway) keep the old values alive while the new ones are
     written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
+
+    ``norm_by_rows``: the norm sums each matrix by rows first (:func:`sq_norm`), for a step
+    whose arrays are not sharded over a mesh.
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -384,7 +388,7 @@ class _Accumulator:
       mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0), scale)
       return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
 
-    sq = jnp.where(nonempty, sq_norm(mean_fn()), 0.0)
+    sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
     ok = nonempty
     loss_scale = state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:

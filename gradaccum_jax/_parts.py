@@ -115,17 +115,18 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
   return jax.tree.map(one, acc)
 
 
-def sq_norm(tree: Any) -> jax.Array:
+def sq_norm(tree: Any, by_rows: bool = False) -> jax.Array:
   """The squared global norm of ``tree``, in float32 (``|z|^2`` for complex leaves).
 
-  A matrix is summed by rows first: XLA:CPU runs a reduction to a scalar on one thread, and a
-  row reduction on all of them (at b = 8 the window's norm, the skip_nonfinite guard's, cost
-  ga.train_step 3-4 % of the window, 1 % this way)."""
+  ``by_rows``: each matrix summed by rows first, then the rows. XLA:CPU runs a reduction to a
+  scalar on one thread and a row reduction on all (docs/benchmarks.md, "The window's norm");
+  not for arrays sharded over a mesh, where a matrix sharded over its last axis would then
+  all-reduce its row sums instead of one scalar."""
   total = jnp.float32(0)
   for x in jax.tree.leaves(tree):
     x = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
     sq = jnp.real(x * jnp.conj(x))
-    if sq.ndim > 1:
+    if by_rows and sq.ndim > 1:
       sq = jnp.sum(sq, axis=-1)
     total = total + jnp.sum(sq).astype(jnp.float32)
   return total

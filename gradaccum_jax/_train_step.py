@@ -327,8 +327,9 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     new_params, new_state, grad_norm = acc.close(
-      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place
-    )
+      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place,
+      norm_by_rows=dp is None,
+    )  # fmt: skip
     new_state = new_state._replace(acc_grads=cleared)
     new_params = place_params(dp, new_params)
     if dp is not None:
