@@ -369,21 +369,19 @@ def test_micro_step_keeps_model_state_sharded_over_the_model_axis(kind):
   carry type mismatch."""
   mesh, k, m = mesh_2d(kind), 2, 0.5
 
-  def named(x, spec):  # an explicit mesh wants each product's output sharding said
-    mesh_of_x = jax.typeof(x).sharding.mesh
-    return None if kind == "auto" or mesh_of_x.empty else NamedSharding(mesh_of_x, spec)
+  xent = explicit_xent_loss if kind == "explicit" else xent_loss
 
-  def hidden(params, x):
+  def hidden(params, x):  # model-sharded units (an explicit mesh wants that said)
+    sharding = jax.typeof(x).sharding
+    out = None
+    if kind == "explicit" and not sharding.mesh.empty:
+      out = NamedSharding(sharding.mesh, P(sharding.spec[0], "model"))
     w, b = params["layer0"]["w"], params["layer0"]["b"]
-    out = named(x, P(jax.typeof(x).sharding.spec[0], "model"))
     return jnp.tanh(jnp.matmul(x, w, out_sharding=out) + b)
 
   def loss_fn(params, state, mb):
-    h = hidden(params, mb["x"])
-    out = named(h, P(jax.typeof(h).sharding.spec[0], None))
-    logits = jnp.matmul(h, params["layer1"]["w"], out_sharding=out) + params["layer1"]["b"]
-    xent = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), mb["y"][:, None], axis=1))
-    return xent, {"ema": m * state["ema"] + (1 - m) * jnp.mean(h, axis=0)}
+    ema = m * state["ema"] + (1 - m) * jnp.mean(hidden(params, mb["x"]), axis=0)
+    return xent(params, mb), {"ema": ema}
 
   params = init_mlp(jax.random.key(0), SIZES)
   batch = data(4 * k * 2)
