@@ -404,8 +404,12 @@ class _Accumulator:
         updates, inner = self._inner_update(mean_fn(), inner, p, extra_args)
         return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), inner
 
-      updates, inner_state = run_if(ok, run, (params, state.inner_state))
+      done, (updates, inner_state) = run_if(ok, run, (params, state.inner_state), with_done=True)
+      # Zeros (``done`` is False), written once the update has read the sums: a caller that
+      # scanned into a donated accumulator gets them in its buffer, not a copy of it.
+      cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
     else:
+      cleared = jax.tree.map(jnp.zeros_like, acc_grads)
       updates, inner_state = self._inner_update(mean_fn(), state.inner_state, params, extra_args)
       if apply:  # the new params, or the old ones for a voided window
         updates = jax.tree.map(
@@ -421,7 +425,7 @@ class _Accumulator:
       count=optax.safe_increment(state.count),
       num_skipped=jnp.where(ok, state.num_skipped, optax.safe_increment(state.num_skipped)),
       updated=ok,
-      acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
+      acc_grads=cleared,
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
       loss_scale=loss_scale,
@@ -534,19 +538,23 @@ def _with_zero_updates(close: Any, state: AccumulateState) -> tuple[Updates, Acc
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), state
 
 
-def run_if(pred: jax.Array, fn: Any, carry: Any) -> Any:
+def run_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
   """``fn(carry)`` if ``pred``, else ``carry``, without copying ``carry``.
 
   A ``lax.cond`` whose other branch passes the carry through makes XLA copy every array of it
   (the inner optimizer's state included) whenever that branch is taken, and a ``jnp.where``
   between the new and the old state keeps the old one alive and so copies it too; a
   ``while_loop`` of 0 or 1 trips updates its carry in place.
+
+  ``with_done``: returns ``(done, result)``, ``done`` the loop's predicate at its exit: always
+  False, but XLA does not know it, so a select on it is an operation that follows the loop.
   """
 
   def body(c):
     return jnp.zeros((), bool), fn(c[1])
 
-  return jax.lax.while_loop(lambda c: c[0], body, (pred, carry))[1]
+  out = jax.lax.while_loop(lambda c: c[0], body, (pred, carry))
+  return out if with_done else out[1]
 
 
 _UNWEIGHTED = Weighting(None)
