@@ -11,8 +11,8 @@ report says which is which).
   python benchmarks/run_all.py --device gpu --out /tmp/bench_gpu  # on an accelerator
   python benchmarks/run_all.py --smoke --only memory,sharding --out /tmp/bench
 
-``--device``: ``step_time.py`` takes it directly. ``memory.py`` and ``noise_scale.py`` have no
-such option and use jax's default backend; with ``--device cpu`` they get ``JAX_PLATFORMS=cpu``.
+``--device``: ``step_time.py`` takes it directly. The others have no such option and use jax's
+default backend; with ``--device cpu`` they get ``JAX_PLATFORMS=cpu``.
 ``sharding.py`` always measures 8 forced host CPU devices, so it is skipped (with a note) when
 ``--device`` is ``gpu`` or ``tpu``: its numbers would be CPU numbers, not the device's.
 """
@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("step_time", "side_by_side", "memory", "sharding", "noise_scale")
+SCRIPTS = ("step_time", "side_by_side", "transformer", "memory", "sharding", "noise_scale")
 TITLES = {
   "step_time": "Step time, overhead, memory and compile time (`step_time.py`)",
   "side_by_side": "Step time side by side with optax at b = 8, 32, 256 (`side_by_side.py`)",
+  "transformer": "Throughput and memory on a transformer stack (`transformer.py`)",
   "memory": "Memory with mixed precision and remat (`memory.py`)",
   "sharding": "Data-parallel accumulation on a mesh (`sharding.py`)",
   "noise_scale": "Gradient noise scale (`noise_scale.py`)",

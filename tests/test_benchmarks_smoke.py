@@ -108,11 +108,40 @@ def test_sharding_smoke(tmp_path):
   assert "| naive |" in (tmp_path / "sharding.md").read_text()
 
 
-def test_side_by_side_smoke(tmp_path):
-  run_script(
-    [sys.executable, "benchmarks/side_by_side.py", "--smoke", "--out", str(tmp_path), "--tag", "_t"]
-  )
-  result = json.loads((tmp_path / "side_by_side_t.json").read_text())
+def test_device_check_smoke_runs_side_by_side_and_transformer(tmp_path):
+  """benchmarks/device_check.sh (the one run prepared for a lent GPU) at its smoke sizes: both
+  scripts run, their results and logs land in the folder given, and each is checked."""
+  env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable}
+  proc = subprocess.run(
+    ["bash", "benchmarks/device_check.sh", str(tmp_path)], cwd=ROOT, env=env,
+    capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "env.log", "side_by_side.log", "side_by_side_gpu.json", "side_by_side_gpu.md",
+    "transformer.log", "transformer_gpu.json", "transformer_gpu.md",
+  ]  # fmt: skip
+  check_side_by_side(tmp_path / "side_by_side_gpu.json", tmp_path / "side_by_side_gpu.md")
+  tf = json.loads((tmp_path / "transformer_gpu.json").read_text())
+  assert tf["preset"] == "smoke" and tf["config"]["dtype"] == "float32"
+  progs = tf["programs"]
+  assert set(progs) == {"plain_b", "plain_kb", "ga", "ga_scan_into_state"}  # the CPU's default
+  # One window of k micro-batches is the step on the whole batch; one micro-batch's is not
+  # (relative L2 distance of the first update from plain_kb's).
+  assert progs["ga"]["update_rel_diff_to_plain_kb"] < 1e-4
+  assert progs["ga_scan_into_state"]["update_rel_diff_to_plain_kb"] < 1e-4
+  assert progs["plain_b"]["update_rel_diff_to_plain_kb"] > 0.1
+  for r in progs.values():
+    assert r["tokens_per_s"] > 0 and r["footprint_bytes"] > 0
+  # Scanning into the state's accumulator holds one accumulator less (each leaf's buffer
+  # rounded up to XLA's alignment: 64 bytes).
+  saved = progs["ga"]["footprint_bytes"] - progs["ga_scan_into_state"]["footprint_bytes"]
+  assert tf["accumulator_bytes"] <= saved <= tf["accumulator_bytes"] + 64 * 9, saved
+  assert "| program | ms per call |" in (tmp_path / "transformer_gpu.md").read_text()
+
+
+def check_side_by_side(json_path, md_path):
+  result = json.loads(json_path.read_text())
   assert [(r["opt"], r["b"]) for r in result["rows"]] == [("adam", 4)]
   assert result["meta"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   for row in result["rows"]:
@@ -130,9 +159,12 @@ def test_side_by_side_smoke(tmp_path):
     assert single["min_scan_vs_plain"]["0.1"] == pytest.approx(
       ms["min_scan"]["0.1"] / ms["plain"]["0.1"]
     )
-  md = (tmp_path / "side_by_side_t.md").read_text()
+  md = md_path.read_text()
   assert "| opt | b | plain ms |" in md and "| opt | b | windows |" in md
-  # A bad --configs entry is named (in this process: no second jax start-up).
+
+
+def test_side_by_side_names_a_bad_configs_entry():
+  # In this process: no jax start-up in a subprocess.
   spec = importlib.util.spec_from_file_location("side_by_side", ROOT / "benchmarks/side_by_side.py")
   side_by_side = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(side_by_side)

@@ -1,0 +1,397 @@
+"""Throughput and memory of ga.train_step on a transformer stack that keeps the device busy.
+
+A decoder-only transformer (pre-norm blocks scanned over depth, causal attention by
+``jax.nn.dot_product_attention``, tied embedding), float32 params with bf16 compute,
+next-token cross-entropy, ``optax.chain(clip_by_global_norm(1), adamw)``. Four programs,
+each jitted with params and state donated:
+
+  plain_b   one optimizer step on a micro-batch of b sequences: the throughput to keep
+  plain_kb  one optimizer step on the whole k*b sequences (what accumulation emulates)
+  ga        ga.train_step on the k*b sequences (k micro-batches of b, compute_dtype=bf16)
+  ga_scan_into_state / ga_scan_from_zeros
+            the same, with the other choice of whether the scan adds the gradients into the
+            state's accumulator (one accumulator in memory; the default on accelerators) or
+            into its own from zeros (the default on the CPU, faster there at small b)
+
+Timing: interleaved rounds, each timing ``--reps`` calls of every program after two
+warm-up calls; tokens/s per round and the same-round ratio ga / plain_b (median and
+min-max over rounds). Memory: each program's ``compiled.memory_analysis()`` (arguments +
+outputs - aliased + temp), and ga's excess over plain_b's plus the float32 accumulator and
+the larger batch; with ``--peak`` (a backend whose devices report ``memory_stats``: GPU,
+TPU) each program but plain_kb also runs three steps in its own subprocess, which reports the
+device's ``peak_bytes_in_use``. Achieved TFLOP/s: tokens/s times the model's training flops per token
+(6 N + 12 L T d).
+
+Presets: ``--preset gpu`` (d 2048, 8 blocks, 2048 tokens per sequence, b 8, k 4: a
+compute-bound plain step on an H200), ``cpu`` (d 256, 4 blocks, 128 tokens, b 4, k 4),
+``--smoke`` (tiny, one round, for the tests). The default is ``gpu`` on an accelerator and
+``cpu`` on a CPU.
+
+  python benchmarks/transformer.py --out benchmarks/results
+  python benchmarks/transformer.py --preset gpu --peak --out "$OUT" --tag _gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+try:
+  import gradaccum_jax as ga
+except ModuleNotFoundError:  # run from a source tree without installing
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  import gradaccum_jax as ga
+from gradaccum_jax import _train_step as ga_train_step
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  d: int
+  heads: int
+  layers: int
+  seq: int
+  vocab: int
+  b: int
+  k: int
+  rounds: int
+  reps: int
+  dtype: str = "bfloat16"  # compute dtype; params and optimizer state are float32
+
+
+PRESETS = {
+  "gpu": Config(d=2048, heads=16, layers=8, seq=2048, vocab=32768, b=8, k=4, rounds=5, reps=3),
+  "cpu": Config(d=256, heads=4, layers=4, seq=128, vocab=4096, b=4, k=4, rounds=5, reps=2),
+  # float32 compute: XLA:CPU takes twice as long to compile the bf16 program
+  "smoke": Config(
+    d=16, heads=2, layers=1, seq=8, vocab=32, b=2, k=2, rounds=1, reps=1, dtype="float32"
+  ),
+}
+
+
+def init(key, c: Config):
+  ks = iter(jax.random.split(key, 6))
+  normal = lambda shape, std: jax.random.normal(next(ks), shape, jnp.float32) * std  # noqa: E731
+  d, n, f = c.d, c.layers, 4 * c.d
+  return {
+    "embed": normal((c.vocab, d), 0.02),
+    "pos": normal((c.seq, d), 0.02),
+    "blocks": {
+      "ln1": jnp.ones((n, d)),
+      "qkv": normal((n, d, 3 * d), d**-0.5),
+      "out": normal((n, d, d), (2 * n * d) ** -0.5),
+      "ln2": jnp.ones((n, d)),
+      "up": normal((n, d, f), d**-0.5),
+      "down": normal((n, f, d), (2 * n * f) ** -0.5),
+    },
+    "ln_f": jnp.ones((d,)),
+  }
+
+
+def rms_norm(x, scale):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def make_loss(c: Config):
+  def loss_fn(params, batch):
+    p = jax.tree.map(lambda x: x.astype(c.dtype), params)  # a no-op under compute_dtype
+    tokens, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    h = p["embed"][tokens] + p["pos"]
+
+    def block(h, w):
+      a = rms_norm(h, w["ln1"]) @ w["qkv"]
+      q, k, v = (t.reshape(*h.shape[:2], c.heads, -1) for t in jnp.split(a, 3, axis=-1))
+      att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      h = h + att.reshape(h.shape) @ w["out"]
+      h = h + jax.nn.gelu(rms_norm(h, w["ln2"]) @ w["up"]) @ w["down"]
+      return h, None
+
+    h, _ = jax.lax.scan(block, h, p["blocks"])
+    logits = (rms_norm(h, p["ln_f"]) @ p["embed"].T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  return loss_fn
+
+
+def make_opt():
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, weight_decay=0.01))
+
+
+def programs(c: Config):
+  """{name: (optimizer whose init makes the state, jitted step(params, state, batch), batch)}: each
+  step returns (params, state, ...)."""
+  loss_fn, opt = make_loss(c), make_opt()
+  tx = ga.accumulate(make_opt(), c.k)
+  rng = np.random.default_rng(0)
+  whole = {"tokens": jnp.asarray(rng.integers(0, c.vocab, (c.k * c.b, c.seq + 1)), jnp.int32)}
+  micro = {"tokens": whole["tokens"][: c.b]}
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def plain(p, s, batch):
+    g = jax.grad(loss_fn)(p, batch)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  ga_step = ga.train_step(loss_fn, tx, donate=True, compute_dtype=c.dtype)
+  into = ga_train_step.scan_into_state(
+    jax.eval_shape(tx.init, init(jax.random.key(0), c)).acc_grads
+  )
+  other = "ga_scan_from_zeros" if into else "ga_scan_into_state"
+  return {
+    "plain_b": (opt, plain, micro),
+    "plain_kb": (opt, plain, whole),
+    "ga": (tx, ga_step, whole),
+    other: (
+      tx,
+      Flipped(ga.train_step(loss_fn, tx, donate=True, compute_dtype=c.dtype), not into),
+      whole,
+    ),
+  }
+
+
+class Flipped:
+  """A ga.train_step traced with the other choice of whether the scan adds into the state's
+  accumulator (``ga._train_step.SCAN_INTO_STATE``, read when the step is traced)."""
+
+  def __init__(self, step, scan_into_state):
+    self.step, self.scan_into_state = step, scan_into_state
+
+  def _with(self, fn, *args, **kwargs):
+    old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, self.scan_into_state
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      ga_train_step.SCAN_INTO_STATE = old
+
+  def __call__(self, *args, **kwargs):
+    return self._with(self.step, *args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._with(self.step.lower, *args, **kwargs)
+
+
+def lowered(step, *args):
+  """``step.lower(*args)`` with the keywords a call passes, so that it finds the call's program."""
+  if isinstance(step, jax.stages.Wrapped):  # a plain jax.jit
+    return step.lower(*args)
+  return step.lower(*args, num_real_microbatches=None)  # ga.train_step's JitStep
+
+
+def flops_per_token(c: Config):
+  """Training flops per token, 6 N + 12 L T d (N: the matrices' params, the unembedding
+  included; the attention scores and their weighted sum, forward and backward). Not XLA's
+  cost analysis, which counts the body of a loop (the blocks' scan, the micro-batches') once."""
+  n = c.layers * 12 * c.d * c.d + c.vocab * c.d
+  return 6 * n + 12 * c.layers * c.seq * c.d
+
+
+def compiled_stats(params, opt, step, batch):
+  """Memory analysis of one program, compiled on abstract inputs."""
+  p = jax.eval_shape(lambda: params)
+  compiled = lowered(step, p, jax.eval_shape(opt.init, p), batch).compile()
+  ma = compiled.memory_analysis()
+  out = {}
+  for field in ("temp", "argument", "output", "alias"):
+    v = getattr(ma, f"{field}_size_in_bytes", None) if ma is not None else None
+    out[f"{field}_bytes"] = None if v is None else int(v)
+  if None not in out.values():
+    out["footprint_bytes"] = (
+      out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    )
+  return out
+
+
+def peak_in_subprocess(preset: str, name: str):
+  """The device's peak_bytes_in_use after three steps of one program, in a fresh process."""
+  code = (
+    "import sys, json; sys.argv = ['transformer.py']; import transformer as t;"
+    f" print('PEAK', json.dumps(t.run_for_peak({preset!r}, {name!r})))"
+  )
+  r = subprocess.run(
+    [sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True
+  )
+  for line in r.stdout.splitlines():
+    if line.startswith("PEAK "):
+      return json.loads(line[5:])
+  return {"error": (r.stderr or r.stdout)[-2000:]}
+
+
+def run_for_peak(preset: str, name: str):
+  c = PRESETS[preset]
+  o, step, batch = programs(c)[name]
+  p = init(jax.random.key(0), c)
+  st = (p, o.init(p))
+  for _ in range(3):
+    st = step(*st, batch)[:2]
+  jax.block_until_ready(st)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return {"peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def measure(c: Config, preset: str, peak: bool):
+  runs = programs(c)
+  p0 = init(jax.random.key(0), c)
+
+  def fresh(o):
+    p = jax.tree.map(jnp.array, p0)
+    return p, o.init(p)
+
+  # Each program's first update from the same params, against plain_kb's (adam's first step
+  # is about lr times a sign, so a max difference says little under bf16: an L2 distance).
+  moved = {
+    n: jax.tree.map(jnp.subtract, step(*fresh(o), batch)[0], p0)
+    for n, (o, step, batch) in runs.items()
+  }
+  sq = lambda tree: sum(float(jnp.vdot(x, x)) for x in jax.tree.leaves(tree))  # noqa: E731
+  ref = moved["plain_kb"]
+  diff = {n: (sq(jax.tree.map(jnp.subtract, v, ref)) / sq(ref)) ** 0.5 for n, v in moved.items()}
+  del moved, ref
+  tokens = {n: batch["tokens"].shape[0] * c.seq for n, (_, _, batch) in runs.items()}
+  samples = {n: [] for n in runs}
+  for _ in range(c.rounds):
+    for n, (o, step, batch) in runs.items():
+      st = fresh(o)
+      for _ in range(2):
+        st = step(*st, batch)[:2]
+      jax.block_until_ready(st)
+      t0 = time.perf_counter()
+      for _ in range(c.reps):
+        st = step(*st, batch)[:2]
+      jax.block_until_ready(st)
+      samples[n].append((time.perf_counter() - t0) / c.reps)
+      del st
+  tok_s = {n: [tokens[n] / t for t in v] for n, v in samples.items()}
+  ratio = {n: [a / b for a, b in zip(tok_s[n], tok_s["plain_b"], strict=True)] for n in runs}
+  stats = {n: compiled_stats(p0, *run) for n, run in runs.items()}
+  fpt = flops_per_token(c)
+  acc_bytes = sum(x.size * 4 for x in jax.tree.leaves(p0))
+  batch_extra = runs["ga"][2]["tokens"].nbytes - runs["plain_b"][2]["tokens"].nbytes
+  fp = {n: s.get("footprint_bytes") for n, s in stats.items()}
+  rows = {
+    n: {
+      "ms": statistics.median(samples[n]) * 1e3,
+      "tokens_per_s": statistics.median(tok_s[n]),
+      "vs_plain_b": statistics.median(ratio[n]),
+      "vs_plain_b_min": min(ratio[n]),
+      "vs_plain_b_max": max(ratio[n]),
+      "tflop_per_s": statistics.median(tok_s[n]) * fpt / 1e12,
+      "update_rel_diff_to_plain_kb": diff[n],
+      **stats[n],
+    }
+    for n in runs
+  }
+  out = {
+    "config": dataclasses.asdict(c),
+    "preset": preset,
+    "params": sum(x.size for x in jax.tree.leaves(p0)),
+    "accumulator_bytes": acc_bytes,
+    "batch_extra_bytes": batch_extra,
+    "programs": rows,
+  }
+  if fp["plain_b"] is not None:
+    out["footprint_over_plain_b_plus_acc"] = {
+      n: fp[n] / (fp["plain_b"] + acc_bytes + batch_extra) for n in runs if n.startswith("ga")
+    }
+  if peak and jax.local_devices()[0].memory_stats() is not None:
+    # Not plain_kb's: the comparison is with one micro-batch's step, and each takes a compile.
+    out["peak"] = {n: peak_in_subprocess(preset, n) for n in runs if n != "plain_kb"}
+  return out
+
+
+def report(res, meta):
+  c = res["config"]
+  lines = [
+    "# Transformer throughput and memory\n",
+    f"{meta['date']}, {meta['machine']}, jax {meta['jax']}, optax {meta['optax']}. Decoder-only"
+    f" transformer: d {c['d']}, {c['heads']} heads, {c['layers']} blocks, {c['seq']} tokens per"
+    f" sequence, vocab {c['vocab']} ({res['params'] / 1e6:.1f} M params, float32, bf16 compute);"
+    f" adamw with clipping; b = {c['b']} sequences per micro-batch, k = {c['k']}. Medians of"
+    f" {c['rounds']} interleaved rounds of {c['reps']} calls; ratio = tokens/s over plain_b's in"
+    " the same round (min-max); TFLOP/s = tokens/s x (6 N + 12 L T d). Footprint = arguments +"
+    " outputs - aliased + temp, from"
+    " `memory_analysis()`. First update vs plain_kb's: |d - d_kb| / |d_kb| (L2, over all"
+    " params) of each program's first change of the params from the same start.\n",
+    "| program | ms per call | tokens/s | / plain_b (min-max) | TFLOP/s | temp MiB |"
+    " footprint MiB | first update vs plain_kb's |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  mib = lambda x: "n/a" if x is None else f"{x / MIB:.1f}"  # noqa: E731
+  for n, r in res["programs"].items():
+    tf = "n/a" if r["tflop_per_s"] is None else f"{r['tflop_per_s']:.3g}"
+    lines.append(
+      f"| {n} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['vs_plain_b']:.3f}"
+      f" ({r['vs_plain_b_min']:.3f}-{r['vs_plain_b_max']:.3f}) | {tf} | {mib(r['temp_bytes'])}"
+      f" | {mib(r.get('footprint_bytes'))} | {r['update_rel_diff_to_plain_kb']:.1e} |"
+    )
+  if "footprint_over_plain_b_plus_acc" in res:
+    ratios = ", ".join(f"{n} {v:.3f}" for n, v in res["footprint_over_plain_b_plus_acc"].items())
+    lines.append(
+      f"\nFootprint / (plain_b's + the float32 accumulator {mib(res['accumulator_bytes'])}"
+      f" MiB + the larger batch {mib(res['batch_extra_bytes'])} MiB): {ratios}. `ga` is this"
+      " backend's default; the other ga program makes the other choice of whether the scan adds"
+      " into the state's accumulator (`ga._train_step.SCAN_INTO_STATE`)."
+    )
+  if "peak" in res:
+    cells = ", ".join(
+      f"{n} {mib(v.get('peak_bytes_in_use'))} MiB" if "error" not in v else f"{n}: failed"
+      for n, v in res["peak"].items()
+    )
+    lines.append(f"\nDevice peak_bytes_in_use after three steps, each in its own process: {cells}.")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", choices=tuple(PRESETS), default=None)
+  ap.add_argument("--smoke", action="store_true", help="the smoke preset")
+  ap.add_argument("--rounds", type=int, default=None)
+  ap.add_argument("--reps", type=int, default=None)
+  ap.add_argument("--peak", action="store_true", help="peak device memory, one process each")
+  ap.add_argument("--out", type=Path, default=None, help="folder for transformer<tag>.{json,md}")
+  ap.add_argument("--tag", default="")
+  args = ap.parse_args(argv)
+  preset = "smoke" if args.smoke else args.preset
+  if preset is None:
+    preset = "cpu" if jax.default_backend() == "cpu" else "gpu"
+  c = PRESETS[preset]
+  for field in ("rounds", "reps"):
+    v = getattr(args, field)
+    if v is not None:
+      if v < 1:
+        raise SystemExit(f"--{field} {v}: give a positive number")
+      c = dataclasses.replace(c, **{field: v})
+  res = measure(c, preset, args.peak)
+  meta = {
+    "date": time.strftime("%Y-%m-%d"),
+    "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
+    "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
+    "gradaccum_jax": ga.__version__,
+  }  # fmt: skip
+  md = report(res, meta)
+  print(md)
+  if args.out is not None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"transformer{args.tag}.json").write_text(
+      json.dumps({"meta": meta, **res}, indent=1)
+    )
+    (args.out / f"transformer{args.tag}.md").write_text(md)
+
+
+if __name__ == "__main__":
+  main()
