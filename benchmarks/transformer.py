@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -220,12 +221,14 @@ def compiled_stats(params, opt, step, batch):
 def peak_in_subprocess(preset: str, name: str):
   """The device's peak_bytes_in_use after three steps of one program, in a fresh process."""
   code = (
-    "import sys, json; sys.argv = ['transformer.py']; import transformer as t;"
+    "import json, transformer as t;"
     f" print('PEAK', json.dumps(t.run_for_peak({preset!r}, {name!r})))"
   )
+  env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's
   r = subprocess.run(
-    [sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True
-  )
+    [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+    text=True,
+  )  # fmt: skip
   for line in r.stdout.splitlines():
     if line.startswith("PEAK "):
       return json.loads(line[5:])
@@ -320,7 +323,8 @@ def report(res, meta):
     "# Transformer throughput and memory\n",
     f"{meta['date']}, {meta['machine']}, jax {meta['jax']}, optax {meta['optax']}. Decoder-only"
     f" transformer: d {c['d']}, {c['heads']} heads, {c['layers']} blocks, {c['seq']} tokens per"
-    f" sequence, vocab {c['vocab']} ({res['params'] / 1e6:.1f} M params, float32, bf16 compute);"
+    f" sequence, vocab {c['vocab']} ({res['params'] / 1e6:.1f} M params, float32,"
+    f" {c['dtype']} compute);"
     f" adamw with clipping; b = {c['b']} sequences per micro-batch, k = {c['k']}. Medians of"
     f" {c['rounds']} interleaved rounds of {c['reps']} calls; ratio = tokens/s over plain_b's in"
     " the same round (min-max); TFLOP/s = tokens/s x (6 N + 12 L T d). Footprint = arguments +"
@@ -366,6 +370,8 @@ def main(argv=None):
   ap.add_argument("--out", type=Path, default=None, help="folder for transformer<tag>.{json,md}")
   ap.add_argument("--tag", default="")
   args = ap.parse_args(argv)
+  if args.peak:  # jax would take 75 % of the device's memory, and the peak runs need room
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   preset = "smoke" if args.smoke else args.preset
   if preset is None:
     preset = "cpu" if jax.default_backend() == "cpu" else "gpu"
