@@ -314,6 +314,30 @@ def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a
   )
 
 
+def test_the_scan_goes_into_the_state_on_accelerators_and_from_zeros_on_the_cpu(monkeypatch):
+  """The default of scan_into_state, seen through the compiled step: on this CPU the donated
+  step holds the minimal scan's temp memory; told the backend is a GPU, one accumulator less
+  (the program XLA:CPU compiles for it: the choice is made when the step is traced). A bf16
+  accumulator (running means) scans from zeros everywhere."""
+  k, b = 8, 8
+  params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), (784, 512, 512, 10)))
+  batch = {
+    "x": jax.ShapeDtypeStruct((k * b, 784), jnp.float32),
+    "y": jax.ShapeDtypeStruct((k * b,), jnp.int32),
+  }
+
+  def temp(accum_dtype=jnp.float32):
+    tx = ga.accumulate(optax.adam(1e-3), k, accum_dtype=accum_dtype)
+    step = ga.train_step(xent_loss, tx, donate=True)
+    return temp_bytes(step.lower(params, jax.eval_shape(tx.init, params), batch).compile())
+
+  on_cpu, bf16_on_cpu = temp(), temp(jnp.bfloat16)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  acc = nbytes(params)
+  assert temp() <= on_cpu - acc + 4096, (temp(), on_cpu, acc)
+  assert temp(jnp.bfloat16) == bf16_on_cpu
+
+
 def nan_batch(batch):
   return {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)}
 
