@@ -189,9 +189,9 @@ class Flipped:
 
 def lowered(step, *args):
   """``step.lower(*args)`` with the keywords a call passes, so that it finds the call's program."""
-  if isinstance(step, jax.stages.Wrapped):  # a plain jax.jit
-    return step.lower(*args)
-  return step.lower(*args, num_real_microbatches=None)  # ga.train_step's JitStep
+  if isinstance(step, ga_train_step.JitStep | Flipped):  # ga.train_step's
+    return step.lower(*args, num_real_microbatches=None)
+  return step.lower(*args)  # a plain jax.jit
 
 
 def flops_per_token(c: Config):
