@@ -277,6 +277,21 @@ def test_the_donated_fused_step_copies_no_state_and_needs_the_memory_of_a_minima
   assert temp_bytes(plain) <= temp_bytes(undonated_floor) + scalars
 
 
+SMALL_K, SMALL_B = 8, 8
+
+
+def compile_small_donated_step(accum_dtype=jnp.float32):
+  """``(params, batch, compiled)``: the donated step on shapes at b = 8, k = 8, adam."""
+  params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), (784, 512, 512, 10)))
+  batch = {
+    "x": jax.ShapeDtypeStruct((SMALL_K * SMALL_B, 784), jnp.float32),
+    "y": jax.ShapeDtypeStruct((SMALL_K * SMALL_B,), jnp.int32),
+  }
+  tx = ga.accumulate(optax.adam(1e-3), SMALL_K, accum_dtype=accum_dtype)
+  step = ga.train_step(xent_loss, tx, donate=True)
+  return params, batch, step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
+
+
 @scan_choice
 def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a_minimal_scan(
   scan_into_state, monkeypatch
@@ -288,21 +303,10 @@ def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a
   accumulator, and the buffers of those copies took room in the memory the micro-batch loop
   uses (and slowed it, about 8 % at b = 8 in benchmarks/side_by_side.py)."""
   monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", scan_into_state)
-  k, b = 8, 8
-  params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), (784, 512, 512, 10)))
-  batch = {
-    "x": jax.ShapeDtypeStruct((k * b, 784), jnp.float32),
-    "y": jax.ShapeDtypeStruct((k * b,), jnp.int32),
-  }
-  tx = ga.accumulate(optax.adam(1e-3), k)
-  ours = (
-    ga.train_step(xent_loss, tx, donate=True)
-    .lower(params, jax.eval_shape(tx.init, params), batch)
-    .compile()
-  )
+  params, batch, ours = compile_small_donated_step()
   inner = optax.adam(1e-3)
   floor = (
-    jax.jit(min_scan_step(inner, k), donate_argnums=(0, 1))
+    jax.jit(min_scan_step(inner, SMALL_K), donate_argnums=(0, 1))
     .lower(params, jax.eval_shape(inner.init, params), batch)
     .compile()
   )
@@ -319,22 +323,15 @@ def test_the_scan_goes_into_the_state_on_accelerators_and_from_zeros_on_the_cpu(
   step holds the minimal scan's temp memory; told the backend is a GPU, one accumulator less
   (the program XLA:CPU compiles for it: the choice is made when the step is traced). A bf16
   accumulator (running means) scans from zeros everywhere."""
-  k, b = 8, 8
-  params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), (784, 512, 512, 10)))
-  batch = {
-    "x": jax.ShapeDtypeStruct((k * b, 784), jnp.float32),
-    "y": jax.ShapeDtypeStruct((k * b,), jnp.int32),
-  }
 
   def temp(accum_dtype=jnp.float32):
-    tx = ga.accumulate(optax.adam(1e-3), k, accum_dtype=accum_dtype)
-    step = ga.train_step(xent_loss, tx, donate=True)
-    return temp_bytes(step.lower(params, jax.eval_shape(tx.init, params), batch).compile())
+    return temp_bytes(compile_small_donated_step(accum_dtype)[2])
 
-  on_cpu, bf16_on_cpu = temp(), temp(jnp.bfloat16)
+  params, _, compiled = compile_small_donated_step()
+  on_cpu, bf16_on_cpu = temp_bytes(compiled), temp(jnp.bfloat16)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  acc = nbytes(params)
-  assert temp() <= on_cpu - acc + 4096, (temp(), on_cpu, acc)
+  on_gpu = temp()
+  assert on_gpu <= on_cpu - nbytes(params) + 4096, (on_gpu, on_cpu, nbytes(params))
   assert temp(jnp.bfloat16) == bf16_on_cpu
 
 
