@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -342,9 +343,16 @@ def main(argv=None):
   if args.smoke:
     sizes, configs, rounds, reps = (16, 8, 4), [("adam", 4)], 1, 2
     args.min_sample_s, args.single_s = 0.0, 0.1
-  rows = [
-    measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s, args.single_s) for o, b in configs
-  ]
+  rows, t0 = [], time.perf_counter()
+  for o, b in configs:
+    rows.append(measure(o, args.k, b, sizes, rounds, reps, args.min_sample_s, args.single_s))
+    r = rows[-1]
+    print(  # progress on stderr: a run stopped at its time limit still shows the rows it did
+      f"[side_by_side {time.perf_counter() - t0:6.1f} s] {o} b={b}: ms "
+      + ", ".join(f"{n} {v:.3g}" for n, v in r["ms"].items())
+      + f"; ga/min_scan {r['ga_vs_min_scan']:.3f}, ga/microbat {r['ga_vs_microbat']:.3f}",
+      file=sys.stderr, flush=True,
+    )  # fmt: skip
   meta = {
     "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,

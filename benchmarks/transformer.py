@@ -19,13 +19,14 @@ min-max over rounds). Memory: each program's ``compiled.memory_analysis()`` (arg
 outputs - aliased + temp), and ga's excess over plain_b's plus the float32 accumulator and
 the larger batch; with ``--peak`` (a backend whose devices report ``memory_stats``: GPU,
 TPU) each program but plain_kb also runs three steps in its own subprocess, which reports the
-device's ``peak_bytes_in_use``. Achieved TFLOP/s: tokens/s times the model's training flops per token
-(6 N + 12 L T d).
+device's ``peak_bytes_in_use``. Achieved
+TFLOP/s: tokens/s times the model's training flops per token (6 N + 12 L T d; not counting
+the forward passes recomputed under remat).
 
-Presets: ``--preset gpu`` (d 2048, 8 blocks, 2048 tokens per sequence, b 8, k 4: a
-compute-bound plain step on an H200), ``cpu`` (d 256, 4 blocks, 128 tokens, b 4, k 4),
-``--smoke`` (tiny, one round, for the tests). The default is ``gpu`` on an accelerator and
-``cpu`` on a CPU.
+Presets: ``--preset gpu`` (d 2048, 8 blocks, 2048 tokens per sequence, b 8, k 4, each block
+recomputed in the backward pass: a compute-bound plain step on an H200), ``cpu`` (d 256, 4
+blocks, 128 tokens, b 4, k 4), ``--smoke`` (tiny, one round, for the tests). The default is
+``gpu`` on an accelerator and ``cpu`` on a CPU.
 
   python benchmarks/transformer.py --out benchmarks/results
   python benchmarks/transformer.py --preset gpu --peak --out "$OUT" --tag _gpu
@@ -42,6 +43,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,10 +74,15 @@ class Config:
   rounds: int
   reps: int
   dtype: str = "bfloat16"  # compute dtype; params and optimizer state are float32
+  # Recompute each block in the backward pass (jax.checkpoint): jax.nn.dot_product_attention's
+  # default (XLA) implementation keeps every block's b x heads x T x T scores otherwise.
+  remat: bool = False
 
 
 PRESETS = {
-  "gpu": Config(d=2048, heads=16, layers=8, seq=2048, vocab=32768, b=8, k=4, rounds=5, reps=3),
+  "gpu": Config(
+    d=2048, heads=16, layers=8, seq=2048, vocab=32768, b=8, k=4, rounds=5, reps=3, remat=True
+  ),
   "cpu": Config(d=256, heads=4, layers=4, seq=128, vocab=4096, b=4, k=4, rounds=5, reps=2),
   # float32 compute: XLA:CPU takes twice as long to compile the bf16 program
   "smoke": Config(
@@ -123,7 +130,7 @@ def make_loss(c: Config):
       h = h + jax.nn.gelu(rms_norm(h, w["ln2"]) @ w["up"]) @ w["down"]
       return h, None
 
-    h, _ = jax.lax.scan(block, h, p["blocks"])
+    h, _ = jax.lax.scan(jax.checkpoint(block) if c.remat else block, h, p["blocks"])
     logits = (rms_norm(h, p["ln_f"]) @ p["embed"].T).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -247,9 +254,22 @@ def run_for_peak(preset: str, name: str):
   return {"peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 
-def measure(c: Config, preset: str, peak: bool):
+T0 = time.perf_counter()
+
+
+def log(msg):
+  """A progress line on stderr, so that a run stopped at its time limit still says how far it
+  came and how long each stage took."""
+  print(f"[transformer {time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
+  """Times every program and reads its memory; ``save(res)`` gets the results so far after the
+  timing and after each peak. A program that fails (out of memory, say) is reported with
+  its error and left out of the rest, so that the others' figures survive."""
   runs = programs(c)
   p0 = init(jax.random.key(0), c)
+  failed = {}
 
   def fresh(o):
     p = jax.tree.map(jnp.array, p0)
@@ -257,17 +277,25 @@ def measure(c: Config, preset: str, peak: bool):
 
   # Each program's first update from the same params, against plain_kb's (adam's first step
   # is about lr times a sign, so a max difference says little under bf16: an L2 distance).
-  moved = {
-    n: jax.tree.map(jnp.subtract, step(*fresh(o), batch)[0], p0)
-    for n, (o, step, batch) in runs.items()
-  }
+  moved = {}
+  for n, (o, step, batch) in list(runs.items()):
+    try:
+      moved[n] = jax.block_until_ready(jax.tree.map(jnp.subtract, step(*fresh(o), batch)[0], p0))
+      log(f"{n}: compiled, first update done")
+    except Exception as e:  # noqa: BLE001  (reported, and the others go on)
+      failed[n] = f"{type(e).__name__}: {str(e)[:1500]}"
+      del runs[n]
+      log(f"{n}: FAILED {failed[n][:300]}")
   sq = lambda tree: sum(float(jnp.vdot(x, x)) for x in jax.tree.leaves(tree))  # noqa: E731
-  ref = moved["plain_kb"]
-  diff = {n: (sq(jax.tree.map(jnp.subtract, v, ref)) / sq(ref)) ** 0.5 for n, v in moved.items()}
+  ref = moved.get("plain_kb")
+  diff = {
+    n: None if ref is None else (sq(jax.tree.map(jnp.subtract, v, ref)) / sq(ref)) ** 0.5
+    for n, v in moved.items()
+  }
   del moved, ref
   tokens = {n: batch["tokens"].shape[0] * c.seq for n, (_, _, batch) in runs.items()}
   samples = {n: [] for n in runs}
-  for _ in range(c.rounds):
+  for i in range(c.rounds):
     for n, (o, step, batch) in runs.items():
       st = fresh(o)
       for _ in range(2):
@@ -279,12 +307,17 @@ def measure(c: Config, preset: str, peak: bool):
       jax.block_until_ready(st)
       samples[n].append((time.perf_counter() - t0) / c.reps)
       del st
+    log(
+      f"round {i + 1}/{c.rounds}: "
+      + ", ".join(f"{n} {v[-1] * 1e3:.1f} ms" for n, v in samples.items())
+    )
+  base = "plain_b" if "plain_b" in runs else next(iter(runs))
   tok_s = {n: [tokens[n] / t for t in v] for n, v in samples.items()}
-  ratio = {n: [a / b for a, b in zip(tok_s[n], tok_s["plain_b"], strict=True)] for n in runs}
+  ratio = {n: [a / b for a, b in zip(tok_s[n], tok_s[base], strict=True)] for n in runs}
   stats = {n: compiled_stats(p0, *run) for n, run in runs.items()}
   fpt = flops_per_token(c)
   acc_bytes = sum(x.size * 4 for x in jax.tree.leaves(p0))
-  batch_extra = runs["ga"][2]["tokens"].nbytes - runs["plain_b"][2]["tokens"].nbytes
+  whole, micro = (programs_batch_bytes(c, k) for k in (c.k, 1))
   fp = {n: s.get("footprint_bytes") for n, s in stats.items()}
   rows = {
     n: {
@@ -304,17 +337,34 @@ def measure(c: Config, preset: str, peak: bool):
     "preset": preset,
     "params": sum(x.size for x in jax.tree.leaves(p0)),
     "accumulator_bytes": acc_bytes,
-    "batch_extra_bytes": batch_extra,
+    "batch_extra_bytes": whole - micro,
     "programs": rows,
+    "failed": failed,
   }
-  if fp["plain_b"] is not None:
+  if fp.get("plain_b") is not None:
     out["footprint_over_plain_b_plus_acc"] = {
-      n: fp[n] / (fp["plain_b"] + acc_bytes + batch_extra) for n in runs if n.startswith("ga")
+      n: fp[n] / (fp["plain_b"] + acc_bytes + whole - micro) for n in runs if n.startswith("ga")
     }
+  log("timing and memory analysis done")
+  save(out)
   if peak and jax.local_devices()[0].memory_stats() is not None:
-    # Not plain_kb's: the comparison is with one micro-batch's step, and each takes a compile.
-    out["peak"] = {n: peak_in_subprocess(preset, n) for n in runs if n != "plain_kb"}
+    # Each in a process of its own, which this one's cache of compiled programs spares a compile
+    # (main sets it). This process keeps what its allocator took (for plain_kb's step, about 55
+    # GiB on the gpu preset by XLA:CPU's memory analysis), which leaves an H200 room for each.
+    # Not plain_kb's: the comparison is with one micro-batch's step.
+    del runs, p0
+    out["peak"] = {}
+    for n in programs(c):
+      if n != "plain_kb" and n not in failed:
+        out["peak"][n] = peak_in_subprocess(preset, n)
+        log(f"{n}: peak {out['peak'][n]}"[:400])
+        save(out)
   return out
+
+
+def programs_batch_bytes(c: Config, k: int):
+  """Bytes of the int32 tokens of k micro-batches."""
+  return k * c.b * (c.seq + 1) * 4
 
 
 def report(res, meta):
@@ -324,7 +374,7 @@ def report(res, meta):
     f"{meta['date']}, {meta['machine']}, jax {meta['jax']}, optax {meta['optax']}. Decoder-only"
     f" transformer: d {c['d']}, {c['heads']} heads, {c['layers']} blocks, {c['seq']} tokens per"
     f" sequence, vocab {c['vocab']} ({res['params'] / 1e6:.1f} M params, float32,"
-    f" {c['dtype']} compute);"
+    f" {c['dtype']} compute{', blocks recomputed in the backward pass' if c.get('remat') else ''});"
     f" adamw with clipping; b = {c['b']} sequences per micro-batch, k = {c['k']}. Medians of"
     f" {c['rounds']} interleaved rounds of {c['reps']} calls; ratio = tokens/s over plain_b's in"
     " the same round (min-max); TFLOP/s = tokens/s x (6 N + 12 L T d). Footprint = arguments +"
@@ -336,13 +386,16 @@ def report(res, meta):
     "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   mib = lambda x: "n/a" if x is None else f"{x / MIB:.1f}"  # noqa: E731
+  fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
   for n, r in res["programs"].items():
     tf = "n/a" if r["tflop_per_s"] is None else f"{r['tflop_per_s']:.3g}"
     lines.append(
       f"| {n} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['vs_plain_b']:.3f}"
       f" ({r['vs_plain_b_min']:.3f}-{r['vs_plain_b_max']:.3f}) | {tf} | {mib(r['temp_bytes'])}"
-      f" | {mib(r.get('footprint_bytes'))} | {r['update_rel_diff_to_plain_kb']:.1e} |"
+      f" | {mib(r.get('footprint_bytes'))} | {fmt(r['update_rel_diff_to_plain_kb'], '.1e')} |"
     )
+  for n, err in res.get("failed", {}).items():
+    lines.append(f"| {n} | failed: {err[:200].replace('|', '/')} | | | | | | |")
   if "footprint_over_plain_b_plus_acc" in res:
     ratios = ", ".join(f"{n} {v:.3f}" for n, v in res["footprint_over_plain_b_plus_acc"].items())
     lines.append(
@@ -372,6 +425,11 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.peak:  # jax would take 75 % of the device's memory, and the peak runs need room
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    # The peak runs' compiles, cached on disk, serve this process's timing runs too.
+    cache = os.environ.setdefault(
+      "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "ga_transformer_jax_cache")
+    )
+    jax.config.update("jax_compilation_cache_dir", cache)
   preset = "smoke" if args.smoke else args.preset
   if preset is None:
     preset = "cpu" if jax.default_backend() == "cpu" else "gpu"
@@ -382,20 +440,24 @@ def main(argv=None):
       if v < 1:
         raise SystemExit(f"--{field} {v}: give a positive number")
       c = dataclasses.replace(c, **{field: v})
-  res = measure(c, preset, args.peak)
   meta = {
     "date": time.strftime("%Y-%m-%d"),
     "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}",
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "gradaccum_jax": ga.__version__,
   }  # fmt: skip
+
+  def save(res):
+    if args.out is not None:
+      args.out.mkdir(parents=True, exist_ok=True)
+      (args.out / f"transformer{args.tag}.json").write_text(
+        json.dumps({"meta": meta, **res}, indent=1)
+      )
+
+  res = measure(c, preset, args.peak, save)
   md = report(res, meta)
   print(md)
   if args.out is not None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"transformer{args.tag}.json").write_text(
-      json.dumps({"meta": meta, **res}, indent=1)
-    )
     (args.out / f"transformer{args.tag}.md").write_text(md)
 
 
