@@ -218,7 +218,14 @@ class MicrobatchedGrad:
     noise = c.noise
     if isinstance(noise, NoiseSums) and not opts.weighting.weighted:
       noise = noise._replace(examples=jnp.asarray(num * rows, jnp.float32))  # b rows each
-    return Window(c.sums, noise, model_unit.finish(c.model, num), like.loss, like.aux, num)
+    return Window(
+      sums_unit.finish(c.sums, num),
+      noise,
+      model_unit.finish(c.model, num),
+      like.loss,
+      like.aux,
+      num,
+    )
 
 
 def value_and_grad(

@@ -213,7 +213,20 @@ class SumsUnit:
       lambda a, x: wt.add(a, x, w) if is_inexact(a) else wt.count(a, x, w), s.aux, m.aux
     )
     grads = add_gradients(s.grads, m.grads, w, s.weight, wt)
-    return Sums(grads, s.weight + wt.total(w), wt.add(s.loss, m.loss, w), aux)
+    weight = s.weight if self.counted_after(s) else s.weight + wt.total(w)
+    return Sums(grads, weight, wt.add(s.loss, m.loss, w), aux)
+
+  def counted_after(self, s: Sums) -> bool:
+    """Whether the total weight is added after the loop (:meth:`finish`), not in it: unweighted
+    it is the number of micro-batches, unless a running mean needs it as it goes. One
+    operation less per micro-batch, which an accelerator launches as a kernel of its own."""
+    return not self.weighting.weighted and not any(map(is_running_mean, jax.tree.leaves(s.grads)))
+
+  def finish(self, s: Sums, num: Any) -> Sums:
+    """``s`` after a loop over ``num`` micro-batches."""
+    if not self.counted_after(s):
+      return s
+    return s._replace(weight=s.weight + jnp.asarray(num, jnp.float32))
 
 
 class Off:

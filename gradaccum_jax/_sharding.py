@@ -376,6 +376,9 @@ class ScatteredSums:
   def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
     return self.unit.init(acc_init, loss_like, aux_like)
 
+  def finish(self, s: Sums, num: Any) -> Sums:
+    return self.unit.finish(s, num)
+
   def update(self, s: Sums, m: Micro) -> Sums:
     rest = self.unit.update(s._replace(grads=()), m._replace(grads=()))
     zeros = jax.tree.map(lambda g, a: jnp.zeros(jnp.shape(g), a.dtype), m.grads, s.grads)

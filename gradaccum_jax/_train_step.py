@@ -18,6 +18,7 @@ from gradaccum_jax._accumulate import (
   noise_estimates,
   noise_scale,
   run_if,
+  selects_on_gpu,
 )
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad
@@ -315,23 +316,26 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)
     check_same_structure(params, state.acc_grads, "params")
+    # In place (donated): loops of 0 or 1 trips, except where selects are cheaper (small
+    # states on a GPU), which read the old values as the new ones are written.
+    in_loop = in_place and not selects_on_gpu((params, state.inner_state))
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    seeded = in_place and dp is None and scan_into_state(state.acc_grads)
+    seeded = in_loop and dp is None and scan_into_state(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
     window = mg.sums(params, batch, rng, init, model_state, scale, num_real)
     sums = window.sums
     if seeded:  # close clears it after the update (in place)
       acc_grads, cleared = sums.grads, None
     else:
-      acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_place)
+      acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_loop)
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
       state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     new_params, new_state, grad_norm = acc.close(
-      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place,
+      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_loop,
       norm_by_rows=dp is None,
     )  # fmt: skip
     if cleared is not None:
