@@ -367,8 +367,8 @@ class _Accumulator:
     and the global norm of the mean gradient (float32). A
     window with zero or non-finite total weight, or a non-finite mean gradient when
     ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state kept. With
-    loss scaling, ``acc_grads`` holds scaled gradients. The inner optimizer runs at most once,
-    and only on a window that is applied.
+    loss scaling, ``acc_grads`` holds scaled gradients. The inner optimizer's update takes
+    effect at most once, and only on a window that is applied.
     One reduction, the squared norm of the mean, gives both the norm and the finiteness check
     (a norm past float32's range, above 1.8e19, counts as non-finite).
 
@@ -376,7 +376,8 @@ class _Accumulator:
     runs in a loop of 0 or 1 trips, which writes the new params and inner state over the old
     ones. Selects between new and old values (the default, best without donation, where the
     results go to new buffers anyway) keep the old values alive while the new ones are
-    written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
+    written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``); the
+    fused step still selects on a GPU for a small state (``_train_step.selects_on_gpu``).
 
     ``norm_by_rows``: the norm sums each matrix by rows first (:func:`sq_norm`), for a step
     whose arrays are not sharded over a mesh.
@@ -546,46 +547,15 @@ def run_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> 
   between the new and the old state keeps the old one alive and so copies it too; a
   ``while_loop`` of 0 or 1 trips updates its carry in place.
 
-  Except on a GPU, for a carry of less than ``GPU_SELECT_MAX_BYTES`` (:func:`selects_on_gpu`):
-  there ``fn`` always runs and a ``jnp.where`` picks the result.
-
   ``with_done``: returns ``(done, result)``, ``done`` the loop's predicate at its exit: always
   False, but XLA does not know it, so a select on it is an operation that follows the loop.
   """
-  if selects_on_gpu(carry):
-    new = fn(carry)
-    out = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, carry)
-    return (jnp.zeros((), bool), out) if with_done else out
 
   def body(c):
     return jnp.zeros((), bool), fn(c[1])
 
   out = jax.lax.while_loop(lambda c: c[0], body, (pred, carry))
   return out if with_done else out[1]
-
-
-# Below this many bytes of state, a step on a GPU picks its results with selects instead of
-# a loop of 0 or 1 trips (see selects_on_gpu).
-GPU_SELECT_MAX_BYTES = 64 * 2**20
-
-
-def selects_on_gpu(tree: Any) -> bool:
-  """Whether :func:`run_if` (and the donated fused step) should select rather than loop: on a
-  GPU, for a ``tree`` of less than ``GPU_SELECT_MAX_BYTES``.
-
-  XLA:GPU runs a loop whose trip count it does not know from the host: before each trip it
-  copies the predicate to the host and waits for the device, so the host stops queueing work
-  ahead. In a step bound by kernel launches that wait shows (H200, MLP 784-512-512-10, adam,
-  k = 8, b = 8, windows back to back: the undonated fused step, which selects, 0.40 ms a
-  window against 0.50 for the donated one, which looped; a hand-written minimal scan 0.23 ms,
-  0.37 with such a loop). A select computes the update whatever the predicate and may copy
-  the state once (64 MiB read and written take about 30 us at the H200's bandwidth); for a
-  larger state its memory weighs more than one wait in a longer step. A TPU runs loops on the
-  device and XLA:CPU on the host itself, with no device to wait for: they loop.
-  """
-  if jax.default_backend() != "gpu":
-    return False
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) < GPU_SELECT_MAX_BYTES
 
 
 _UNWEIGHTED = Weighting(None)

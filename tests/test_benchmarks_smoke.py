@@ -146,13 +146,15 @@ def check_side_by_side(json_path, md_path):
   assert result["meta"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   for row in result["rows"]:
     assert set(row["ratio"]) == {
-      "plain", "ms_loop", "microbat", "min_scan", "min_guard", "ga", "ga_undonated", "ga_stream",
-      "ga_micro",
+      "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "ga", "ga_undonated",
+      "ga_stream", "ga_micro",
     }  # fmt: skip
     assert max(row["max_abs_diff_to_plain"].values()) < 1e-3  # every variant trains alike
     single = row["single"]  # single windows in turn: quantiles, and ga's ratio at each
     assert single["windows"] >= 20
-    assert set(single["ga_vs"]) == {"plain", "min_scan", "min_guard", "microbat", "ga_undonated"}
+    assert set(single["ga_vs"]) == {
+      "plain", "min_scan", "min_guard", "min_loss", "microbat", "ga_undonated",
+    }  # fmt: skip
     for n, q in single["ga_vs"].items():
       assert q["0.5"] == pytest.approx(single["ms"]["ga"]["0.5"] / single["ms"][n]["0.5"])
     ms = single["ms"]
