@@ -23,7 +23,7 @@ from flax.training import train_state
 from helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_sharding import collectives
+from test_sharding import big_batch_steps, collectives
 
 import gradaccum_jax as ga
 
@@ -335,16 +335,8 @@ def tp_reference():
     h = jnp.tanh(batch["x"] @ p["hidden"]["kernel"] + p["hidden"]["bias"])
     return xent(h @ p["out"]["kernel"] + p["out"]["bias"], batch)
 
-  @jax.jit
-  def run(params, batches):
-    state = TP_INNER.init(params)
-    for batch in batches:
-      value, grads = jax.value_and_grad(loss)(params, batch)
-      updates, state = TP_INNER.update(grads, state, params)
-      params = optax.apply_updates(params, updates)
-    return params, value, optax.tree.norm(grads)
-
-  return run(tp_params(), tp_batches())
+  params, value, grads = big_batch_steps(loss, TP_INNER, tp_params(), tp_batches())
+  return params, value, optax.tree.norm(grads)
 
 
 def tp_out_sharding(x, kernel):

@@ -320,24 +320,20 @@ def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a
   )
 
 
-@pytest.mark.parametrize("accelerator", ["tpu", "gpu"])
-def test_the_scan_goes_into_the_state_on_accelerators_and_from_zeros_on_the_cpu(
-  accelerator, monkeypatch
-):
+def test_the_scan_goes_into_the_state_on_accelerators_and_from_zeros_on_the_cpu(monkeypatch):
   """The default of scan_into_state, seen through the compiled step: on this CPU the donated
-  step holds the minimal scan's temp memory; told the backend is an accelerator, one
-  accumulator less (the program XLA:CPU compiles for it: the choice is made when the step is
-  traced). On a GPU, where a state this small is selected rather than looped
-  (test_on_a_gpu_a_small_state_is_selected_not_looped), only with selects off. A bf16
-  accumulator (running means) scans from zeros everywhere."""
+  step holds the minimal scan's temp memory; told the backend is a TPU, one accumulator less
+  (the program XLA:CPU compiles for it: the choice is made when the step is traced). A GPU
+  traces the same program for a state of GPU_SELECT_MAX_BYTES or more
+  (test_on_a_gpu_a_small_state_is_selected_not_looped). A bf16 accumulator (running means)
+  scans from zeros everywhere."""
 
   def temp(accum_dtype=jnp.float32):
     return temp_bytes(compile_small_donated_step(accum_dtype)[2])
 
   params, _, compiled = compile_small_donated_step()
   on_cpu, bf16_on_cpu = temp_bytes(compiled), temp(jnp.bfloat16)
-  monkeypatch.setattr(jax, "default_backend", lambda: accelerator)
-  monkeypatch.setattr(ga_train_step, "GPU_SELECT_MAX_BYTES", 0)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   on_accelerator = temp()
   assert on_accelerator <= on_cpu - nbytes(params) + 4096, (on_accelerator, on_cpu)
   assert temp(jnp.bfloat16) == bf16_on_cpu

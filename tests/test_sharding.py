@@ -47,8 +47,9 @@ def put(tree, mesh, spec):
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 
 
-def plain_steps(loss_fn, inner, params, batches):
-  """The reference: one plain optax step on each whole batch, no accumulation, one device."""
+def big_batch_steps(loss_fn, inner, params, batches):
+  """The reference: one plain optax step on each whole batch, no accumulation, one device;
+  the params after all of them, and the last batch's loss and gradient."""
 
   @jax.jit
   def run(params, batches):
@@ -57,9 +58,14 @@ def plain_steps(loss_fn, inner, params, batches):
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
       updates, state = inner.update(grads, state, params)
       params = optax.apply_updates(params, updates)
-    return params, loss
+    return params, loss, grads
 
   return run(params, batches)
+
+
+def plain_steps(loss_fn, inner, params, batches):
+  """:func:`big_batch_steps`' params and last loss."""
+  return big_batch_steps(loss_fn, inner, params, batches)[:2]
 
 
 def data(batch_size, key=1):
