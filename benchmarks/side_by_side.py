@@ -115,23 +115,23 @@ def variants(opt_name, k, b, sizes):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  def grad_sum(p, bt):  # the minimal scan: the strided micro-batches' gradients, summed
-    def body(acc, i):
+  def grad_sum(p, bt, with_loss=False):
+    """The minimal scan: the strided micro-batches' gradients, summed (and their losses)."""
+
+    def body(c, i):
       mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
-      return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(p, mb)), None
+      if not with_loss:
+        return jax.tree.map(jnp.add, c, jax.grad(loss_fn)(p, mb)), None
+      loss, g = jax.value_and_grad(loss_fn)(p, mb)
+      return (jax.tree.map(jnp.add, c[0], g), c[1] + loss), None
 
-    return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(k))[0]
+    init = jax.tree.map(jnp.zeros_like, p)
+    return jax.lax.scan(body, (init, 0.0) if with_loss else init, jnp.arange(k))[0]
 
-  @jit
-  def min_scan(p, s, bt):
-    u, s = opt.update(jax.tree.map(lambda a: a / k, grad_sum(p, bt)), s, p)
-    return optax.apply_updates(p, u), s
-
-  @jit
-  def min_guard(p, s, bt):
-    acc = grad_sum(p, bt)
-    mean = jax.tree.map(lambda a: a / k, acc)
-    # Rows first, then their sum, as ga does: XLA:CPU runs a reduction to a scalar on one thread
+  def guarded(p, s, mean):
+    """The update if the mean's squared norm is finite, in a loop of 0 or 1 trips (in place).
+    Rows first, then their sum, as ga does: XLA:CPU runs a reduction to a scalar on one
+    thread."""
     finite = jnp.isfinite(sum(jnp.sum(jnp.sum(m * m, axis=-1)) for m in jax.tree.leaves(mean)))
 
     def update(c):
@@ -142,23 +142,18 @@ def variants(opt_name, k, b, sizes):
     return jax.lax.while_loop(lambda c: c[0], update, (finite, (p, s)))[1]
 
   @jit
+  def min_scan(p, s, bt):
+    u, s = opt.update(jax.tree.map(lambda a: a / k, grad_sum(p, bt)), s, p)
+    return optax.apply_updates(p, u), s
+
+  @jit
+  def min_guard(p, s, bt):
+    return guarded(p, s, jax.tree.map(lambda a: a / k, grad_sum(p, bt)))
+
+  @jit
   def min_loss(p, s, bt):
-    def body(c, i):
-      acc, total = c
-      mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
-      loss, g = jax.value_and_grad(loss_fn)(p, mb)
-      return (jax.tree.map(jnp.add, acc, g), total + loss), None
-
-    (acc, total), _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, p), 0.0), jnp.arange(k))
-    mean = jax.tree.map(lambda a: a / k, acc)
-    finite = jnp.isfinite(sum(jnp.sum(jnp.sum(m * m, axis=-1)) for m in jax.tree.leaves(mean)))
-
-    def update(c):
-      _, (p, s) = c
-      u, s = opt.update(mean, s, p)
-      return jnp.zeros((), bool), (optax.apply_updates(p, u), s)
-
-    return *jax.lax.while_loop(lambda c: c[0], update, (finite, (p, s)))[1], total / k
+    acc, total = grad_sum(p, bt, with_loss=True)
+    return *guarded(p, s, jax.tree.map(lambda a: a / k, acc)), total / k
 
   ga_step = ga.train_step(loss_fn, tx, donate=True)
   ga_undonated = ga.train_step(loss_fn, tx, donate=False)
