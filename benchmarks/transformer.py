@@ -19,9 +19,8 @@ min-max over rounds). Memory: each program's ``compiled.memory_analysis()`` (arg
 outputs - aliased + temp), and ga's excess over plain_b's plus the float32 accumulator and
 the larger batch; with ``--peak`` (a backend whose devices report ``memory_stats``: GPU,
 TPU) each program but plain_kb also runs three steps in its own subprocess, which reports the
-device's ``peak_bytes_in_use``. Achieved
-TFLOP/s: tokens/s times the model's training flops per token (6 N + 12 L T d; not counting
-the forward passes recomputed under remat).
+device's ``peak_bytes_in_use``. Achieved TFLOP/s: tokens/s times the model's training flops
+per token (6 N + 12 L T d; not counting the forward passes recomputed under remat).
 
 Presets: ``--preset gpu`` (d 2048, 8 blocks, 2048 tokens per sequence, b 8, k 4, each block
 recomputed in the backward pass: a compute-bound plain step on an H200), ``cpu`` (d 256, 4
@@ -311,9 +310,9 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
       f"round {i + 1}/{c.rounds}: "
       + ", ".join(f"{n} {v[-1] * 1e3:.1f} ms" for n, v in samples.items())
     )
-  base = "plain_b" if "plain_b" in runs else next(iter(runs))
   tok_s = {n: [tokens[n] / t for t in v] for n, v in samples.items()}
-  ratio = {n: [a / b for a, b in zip(tok_s[n], tok_s[base], strict=True)] for n in runs}
+  base = tok_s.get("plain_b", [float("nan")] * c.rounds)  # NaN ratios if plain_b failed
+  ratio = {n: [a / b for a, b in zip(tok_s[n], base, strict=True)] for n in runs}
   stats = {n: compiled_stats(p0, *run) for n, run in runs.items()}
   fpt = flops_per_token(c)
   acc_bytes = sum(x.size * 4 for x in jax.tree.leaves(p0))
