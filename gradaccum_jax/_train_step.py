@@ -68,7 +68,9 @@ def train_step(
     weight_fn: ``weight_fn(microbatch) -> scalar`` weight (e.g. number of
       non-padding tokens); ``None`` weighs micro-batches equally.
     donate: donate ``params`` and ``state`` to the step, so XLA updates them in
-      place (halves their memory; the arrays passed in are then invalid).
+      place (halves their memory; the arrays passed in are then invalid). On a
+      GPU, params and optimizer state under 64 MiB are updated with selects
+      instead of a loop, which XLA:GPU would wait on (they may be copied once).
     jit: return the step jitted (default) or as a plain traceable function, to
       be called inside your own ``jax.jit``, ``shard_map`` or ``lax.scan``.
     has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
