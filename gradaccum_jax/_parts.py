@@ -66,6 +66,11 @@ def is_running_mean(acc: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
+def keeps_running_means(acc: Any) -> bool:
+  """Whether any leaf of the accumulator ``acc`` keeps a running mean (:func:`is_running_mean`)."""
+  return any(map(is_running_mean, jax.tree.leaves(acc)))
+
+
 def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
   """``acc`` after one more micro-batch ``grads`` of weight ``w``, with ``weight`` the total
   weight before it: sums for float32-or-wider leaves, running means for narrower ones."""
@@ -220,7 +225,7 @@ class SumsUnit:
     """Whether the total weight is added after the loop (:meth:`finish`), not in it: unweighted
     it is the number of micro-batches, unless a running mean needs it as it goes. One
     operation less per micro-batch, which an accelerator launches as a kernel of its own."""
-    return not self.weighting.weighted and not any(map(is_running_mean, jax.tree.leaves(s.grads)))
+    return not self.weighting.weighted and not keeps_running_means(s.grads)
 
   def finish(self, s: Sums, num: Any) -> Sums:
     """``s`` after a loop over ``num`` micro-batches."""

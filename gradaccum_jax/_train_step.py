@@ -22,7 +22,7 @@ from gradaccum_jax._accumulate import (
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import NoiseSums, is_running_mean, merge_gradients
+from gradaccum_jax._parts import NoiseSums, keeps_running_means, merge_gradients
 from gradaccum_jax._sharding import AutoGatherStep, place_params
 
 
@@ -404,7 +404,7 @@ def scan_into_state(acc: Any) -> bool:
   own at small micro-batches (the MLP 784-512-512-10 with adam, k = 8: 5 % at b = 8, none at
   b = 32, in a hand-written scan as in ours). On an accelerator the memory is what is short.
   """
-  if any(map(is_running_mean, jax.tree.leaves(acc))):
+  if keeps_running_means(acc):
     return False
   return jax.default_backend() != "cpu" if SCAN_INTO_STATE is None else SCAN_INTO_STATE
 
