@@ -267,8 +267,7 @@ def test_the_donated_fused_step_copies_no_state_and_needs_the_memory_of_a_minima
   )  # fmt: skip
   if scan_into_state:
     assert footprint(ours) <= footprint(floor) + scalars, (footprint(ours), footprint(floor))
-  if scan_into_state:  # the undonated step below does not depend on the choice
-    return
+    return  # the undonated step below does not depend on the choice
   # Without donation the selects write new buffers: no more than the undonated floor either.
   plain = ga.train_step(xent_loss, tx).lower(params_shape, state, batch).compile()
   undonated_floor = (
