@@ -316,7 +316,7 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
   stats = {n: compiled_stats(p0, *run) for n, run in runs.items()}
   fpt = flops_per_token(c)
   acc_bytes = sum(x.size * 4 for x in jax.tree.leaves(p0))
-  whole, micro = (programs_batch_bytes(c, k) for k in (c.k, 1))
+  batch_extra = (c.k - 1) * c.b * (c.seq + 1) * 4  # int32 tokens of the k - 1 more micro-batches
   fp = {n: s.get("footprint_bytes") for n, s in stats.items()}
   rows = {
     n: {
@@ -336,13 +336,13 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
     "preset": preset,
     "params": sum(x.size for x in jax.tree.leaves(p0)),
     "accumulator_bytes": acc_bytes,
-    "batch_extra_bytes": whole - micro,
+    "batch_extra_bytes": batch_extra,
     "programs": rows,
     "failed": failed,
   }
   if fp.get("plain_b") is not None:
     out["footprint_over_plain_b_plus_acc"] = {
-      n: fp[n] / (fp["plain_b"] + acc_bytes + whole - micro) for n in runs if n.startswith("ga")
+      n: fp[n] / (fp["plain_b"] + acc_bytes + batch_extra) for n in runs if n.startswith("ga")
     }
   log("timing and memory analysis done")
   save(out)
@@ -359,11 +359,6 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
         log(f"{n}: peak {out['peak'][n]}"[:400])
         save(out)
   return out
-
-
-def programs_batch_bytes(c: Config, k: int):
-  """Bytes of the int32 tokens of k micro-batches."""
-  return k * c.b * (c.seq + 1) * 4
 
 
 def report(res, meta):
