@@ -13,12 +13,15 @@ float32, random data, ``k`` micro-batches of ``b`` rows per device (global batch
               dimension divisible by the devices (FSDP/ZeRO layout): one all-gather before
               the loop, one reduce-scatter per param after it.
 
-Two more comparisons:
+Three more comparisons:
 
   gather      for a params-dominated MLP (512-2048-2048-512, 2 rows per device per micro-batch,
               every param sharded over ``data``): ``gather_params="once"`` against
               ``"per_microbatch"`` across ``k``: XLA's per-device temp memory and total
               (``compiled.memory_analysis()``), collectives and time per window.
+  donated     the same model, ``donate=True``, compiled only: per-device memory of the scan
+              from zeros against the scan into the state's accumulator, replicated, "once"
+              and "per_microbatch".
   streaming   one jitted call per micro-batch, ``k`` calls per window, params replicated:
               ``plain_stream`` (``jax.jit`` of ``jax.value_and_grad`` + ``tx.update`` of
               ``ga.accumulate`` on a micro-batch sharded ``P("data")``: GSPMD all-reduces the
@@ -351,6 +354,55 @@ def run_gather(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   }
 
 
+DONATED_LAYOUTS = ("replicated", "once", "per_microbatch")
+
+
+def run_donated(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
+  """Compiled memory per device of the donated step, its scan from zeros against into the
+  state's accumulator (``ga._train_step.SCAN_INTO_STATE``: the default off the CPU), for the
+  params-dominated model replicated and sharded (FSDP). Compiles only."""
+  from gradaccum_jax import _train_step as ga_train_step  # noqa: PLC0415
+
+  n = mesh.shape["data"]
+  params0 = init_params(jax.random.key(0), cfg["layers"])
+  batch = jax.device_put(
+    make_batch(jax.random.key(1), n * k * cfg["b"], cfg["layers"]), NamedSharding(mesh, P("data"))
+  )
+  result = {}
+  for layout in DONATED_LAYOUTS:
+    specs = P() if layout == "replicated" else fsdp_specs(params0, n)
+    spec_tree = jax.tree.broadcast(specs, params0, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params0, spec_tree
+    )
+    tx = ga.accumulate(optax.adam(LR), k)
+    state = jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, P())) if x.ndim == 0 else x, tx.init(params)
+    )
+    result[layout] = {}
+    for into in (False, True):
+      old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, into
+      try:
+        step = ga.train_step(
+          loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs,
+          gather_params="once" if layout == "replicated" else layout, donate=True,
+        )  # fmt: skip
+        mem = step.lower(params, state, batch).compile().memory_analysis()
+      finally:
+        ga_train_step.SCAN_INTO_STATE = old
+      result[layout]["into_state" if into else "from_zeros"] = {
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "total_bytes": compiled_bytes(mem),
+      }
+  return {
+    "k": k,
+    "b": cfg["b"],
+    "B": n * k * cfg["b"],
+    "param_bytes": sum(int(x.size) * 4 for x in jax.tree.leaves(params0)),
+    "layouts": result,
+  }
+
+
 def run_streaming(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   """One jitted call per micro-batch: a plain GSPMD step against ga.micro_step, replicated."""
   n = mesh.shape["data"]
@@ -455,6 +507,22 @@ def gather_table(runs: list[dict[str, Any]]) -> str:
   return "\n".join(rows)
 
 
+def donated_table(run: dict[str, Any]) -> str:
+  rows = [
+    "| layout | temp MiB / device, from zeros | into the state | saved | total MiB / device,"
+    " from zeros | into the state |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
+  for layout, m in run["layouts"].items():
+    zeros, into = m["from_zeros"], m["into_state"]
+    rows.append(
+      f"| {layout} | {zeros['temp_bytes'] / MIB:.1f} | {into['temp_bytes'] / MIB:.1f} |"
+      f" {(zeros['temp_bytes'] - into['temp_bytes']) / MIB:.1f} |"
+      f" {zeros['total_bytes'] / MIB:.1f} | {into['total_bytes'] / MIB:.1f} |"
+    )
+  return "\n".join(rows)
+
+
 def stream_table(runs: list[dict[str, Any]]) -> str:
   rows = [
     "| k | B | method | ms / window | ratio | every call | closing call |"
@@ -495,6 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   for k in cfg["streaming"]["ks"]:
     print(f"streaming k={k} ...", flush=True)
     stream_runs.append(run_streaming(cfg["streaming"], mesh, k))
+  print("donated ...", flush=True)
+  donated = run_donated(cfg["gather"], mesh, cfg["gather"]["ks"][-1])
   total_s = time.perf_counter() - t_start
   model = "-".join(map(str, cfg["layers"]))
   g, st = cfg["gather"], cfg["streaming"]
@@ -539,6 +609,18 @@ def main(argv: Sequence[str] | None = None) -> int:
       "",
       stream_table(stream_runs),
       "",
+      "## Donated: the scan into the state's accumulator",
+      "",
+      f"The FSDP section's MLP, adam, k={donated['k']}, donate=True, compiled only: per-device"
+      " memory (compiled.memory_analysis()) of the scan from zeros (the default on a CPU)"
+      " against the scan into the state's accumulator (the default on an accelerator:"
+      " ga._train_step.SCAN_INTO_STATE). Replicated, each device's scan starts from the"
+      " state's accumulator itself, so the window holds one accumulator; 'once' gathers each"
+      " param for the window and sums its whole gradient in a buffer of its own (the state"
+      " keeps 1/D), so nothing changes; 'per_microbatch' starts from its 1/D shard.",
+      "",
+      donated_table(donated),
+      "",
     ]
   )
   print()
@@ -552,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "runs": runs,
     "gather_runs": gather_runs,
     "stream_runs": stream_runs,
+    "donated": donated,
     "total_s": total_s,
   }
   (out / "sharding.json").write_text(json.dumps(result, indent=1))

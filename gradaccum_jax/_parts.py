@@ -185,6 +185,12 @@ class Weighting:
     """
     return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
 
+  def seed_factor(self, devices: int) -> int:
+    """What sums already made (an open window's) are multiplied by when one device adds them
+    into its share of the sums: unweighted, :meth:`per_device` divides the total by
+    ``devices`` (exact for a power of two), weighted nothing."""
+    return 1 if self.weighted else devices
+
   def per_device(self, sums: Sums, noise: Any, devices: int, num: int) -> tuple[Sums, Any]:
     """After the sum over devices: unweighted, a device's micro-batch weighs ``1 / devices``.
 

@@ -245,6 +245,22 @@ class _LeafPlan:
       return jax.lax.psum_scatter(g, self.names, scatter_dimension=self.dim, tiled=True)
     return self.take(jax.lax.psum(g, self.names))
 
+  def seeds(self, per_microbatch: bool) -> bool:
+    """Whether a device's accumulator in the scan is shaped as its shard of the state's: a
+    leaf replicated over the data axes, or sharded over them and reduced per micro-batch."""
+    return self.dim is None or per_microbatch
+
+  def seed(self, acc: jax.Array, factor: int) -> jax.Array:
+    """Where this device's scan starts from its shard ``acc`` of the sums so far (zeros, or a
+    window left open by streaming calls): ``acc * factor`` on the first device of the data
+    axes the sums are then summed over (``rest``), zeros on the others, so that the reduction
+    counts it once. Elementwise, so XLA writes it over ``acc`` when the state is donated."""
+    share = acc if factor == 1 else acc * factor
+    if not self.rest:
+      return share
+    first = jax.lax.axis_index(self.rest if len(self.rest) > 1 else self.rest[0]) == 0
+    return jnp.where(first, share, jnp.zeros_like(acc))
+
   def take(self, g: jax.Array) -> jax.Array:
     """This device's shard of a full, already summed ``g``."""
     size = g.shape[self.dim] // self.parts
@@ -434,7 +450,9 @@ def over_mesh(
   :class:`Sums` and :class:`NoiseSums`), the data-sharded gradients reduce-scattered (once)
   or summed over the data axes they are replicated over (per micro-batch), float
   model-state leaves averaged and integer ones maxed where they differ between devices.
-  Returns the ``Window`` of the whole global batch, its gradients added to ``acc_init``.
+  Returns the ``Window`` of the whole global batch, its gradients added to ``acc_init``: in
+  the scan where a device's accumulator is its share of ``acc_init`` (``_LeafPlan.seeds``),
+  after the reduction otherwise.
   """
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
@@ -451,10 +469,16 @@ def over_mesh(
   treedef = jax.tree.structure(params)
   in_specs = treedef.unflatten([p.in_spec for p in plans])
   out_specs = treedef.unflatten([p.manual for p in plans])
-  acc_dtypes = [jnp.result_type(a) for a in jax.tree.leaves(acc_init)]
+  acc_leaves = jax.tree.leaves(acc_init)
+  acc_dtypes = [jnp.result_type(a) for a in acc_leaves]
+  # Leaves whose per-device accumulator is shaped as their share of acc_init start the scan
+  # from it (in the state's own buffer when it is donated); the others add it after.
+  seeded = [p.seeds(per_mb) for p in plans]
+  seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
+  seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
   static = {}
 
-  def per_device(params, batch, rng, model_state, scale, num_real):
+  def per_device(params, batch, rng, model_state, scale, num_real, seeds):
     leaves = jax.tree.leaves(params)
     if not per_mb:  # gathered once, before the scan
       leaves = [x if p.outside else p.gather(x) for x, p in zip(leaves, plans, strict=True)]
@@ -462,9 +486,11 @@ def over_mesh(
       rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
     # Zeros like the params the gradients come from: on an explicit mesh they carry the same
     # model sharding in their type, as the scan's carry must.
-    acc0 = treedef.unflatten(
-      [jnp.zeros_like(x, dtype) for x, dtype in zip(leaves, acc_dtypes, strict=True)]
-    )
+    it = iter(seeds)
+    acc0 = treedef.unflatten([
+      p.seed(next(it), weighting.seed_factor(dp.size)) if s else jnp.zeros_like(x, dtype)
+      for x, dtype, p, s in zip(leaves, acc_dtypes, plans, seeded, strict=True)
+    ])  # fmt: skip
     hook = PerMicrobatch(tuple(plans), axes) if per_mb else None
     w = local_sums(
       treedef.unflatten(leaves), batch, rng, acc0, model_state, scale, num_real, axes,
@@ -496,15 +522,19 @@ def over_mesh(
       jax.tree.map(lambda x: _place(x, mesh, batch_spec), batch),
       *(jax.tree.map(lambda x: _place(x, mesh, _off_data(x, axes)), a) for a in args[2:]),
     )
+    seeds = tuple(_place(a, mesh, p.layout) for a, p in zip(seeds, seed_plans, strict=True))
   reduce = jax.shard_map(
     per_device,
     mesh=mesh,
-    in_specs=(in_specs, batch_spec, P(), P(), P(), P()),
+    in_specs=(in_specs, batch_spec, P(), P(), P(), P(), tuple(p.manual for p in seed_plans)),
     out_specs=(Sums(out_specs, P(), P(), P()), P(), P()),
     axis_names=set(axes),
   )
-  sums, noise, new_state = reduce(*args)
-  grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_init, sums.grads)
+  sums, noise, new_state = reduce(*args, seeds)
+  grads = treedef.unflatten([
+    g if s else a + g.astype(a.dtype)
+    for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
+  ])  # fmt: skip
   return static["window"]._replace(
     sums=sums._replace(grads=grads),
     noise=noise,

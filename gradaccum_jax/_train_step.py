@@ -136,7 +136,8 @@ def train_step(
 
   - replicated params (``param_specs=None``): every device holds the params,
     the optimizer state, the fp32 accumulator of ``state`` and one full
-    local accumulator during the window; one all-reduce of ``P`` (ring: about
+    local accumulator during the window (with ``donate`` on an accelerator the
+    scan adds into the state's, so there is one); one all-reduce of ``P`` (ring: about
     ``2P`` bytes sent per device) per window, against ``k`` for a plain
     ``jit`` of a scan (GSPMD reduces inside the loop) or for PyTorch DDP
     without ``no_sync``. The inner optimizer runs replicated.
@@ -156,7 +157,8 @@ def train_step(
     is full-size params and accumulator during the window for ``k`` times
     less communication (``gather_params="once"``).
   - ``gather_params="per_microbatch"``: params, optimizer state and the
-    local accumulator stay ``1/D`` per device through the window; every
+    local accumulator (with ``donate`` on an accelerator, the state's own)
+    stay ``1/D`` per device through the window; every
     micro-batch all-gathers the params inside the loop and reduce-scatters
     its gradient into the sharded accumulator: ``k`` times ``P`` gathered
     and ``P`` reduce-scattered per window (FSDP full sharding, ZeRO-3), for
@@ -322,7 +324,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     in_loop = in_place and not selects_on_gpu((params, state.inner_state))
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    seeded = in_loop and dp is None and scan_into_state(state.acc_grads)
+    seeded = in_loop and scan_into_state(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
     window = mg.sums(params, batch, rng, init, model_state, scale, num_real)
     sums = window.sums
@@ -387,16 +389,19 @@ def selects_on_gpu(tree: Any) -> bool:
   return sum(map(size, jax.tree.leaves(tree))) < GPU_SELECT_MAX_BYTES
 
 
-# Whether a donated step without a mesh scans into the state's accumulator; None: on every
-# backend but the CPU (tests and benchmarks set it to compare the two programs).
+# Whether a donated step scans into the state's accumulator; None: on every backend but the
+# CPU (tests and benchmarks set it to compare the two programs).
 SCAN_INTO_STATE: bool | None = None
 
 
 def scan_into_state(acc: Any) -> bool:
-  """Whether the donated fused step (without a mesh) adds the micro-batch gradients onto the
-  state's accumulator (zeros, or the sums of a window left open by streaming calls) in that
-  buffer, so that a window holds one accumulator, not that one idle beside a second that the
-  scan fills from zeros.
+  """Whether the donated fused step adds the micro-batch gradients onto the state's
+  accumulator (zeros, or the sums of a window left open by streaming calls) in that buffer, so
+  that a window holds one accumulator, not that one idle beside a second that the scan fills
+  from zeros. On a mesh, for the leaves whose accumulator in the scan is a device's share of
+  the state's (replicated over the data axes, or sharded and reduced per micro-batch:
+  ``_sharding._LeafPlan.seeds``); a param gathered for the window (``"once"``) sums its whole
+  gradient in a buffer of its own and adds the state's after the reduction.
 
   Not for a running mean (a narrower accumulator restarts from zero in the scan), and by
   default not on the CPU, where it saves one accumulator of memory but the scan is slower:

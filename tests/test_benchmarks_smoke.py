@@ -105,6 +105,10 @@ def test_sharding_smoke(tmp_path):
     assert not methods["micro_step"]["collectives"]["every_call"]
     assert methods["micro_step"]["collectives"]["close"] == {"all-reduce": 1}
     assert methods["micro_step"]["first_window_max_abs_diff_vs_plain"] < 1e-4
+  donated = result["donated"]["layouts"]  # compiled memory, from zeros and into the state
+  assert set(donated) == {"replicated", "once", "per_microbatch"}
+  for m in donated.values():
+    assert m["into_state"]["total_bytes"] <= m["from_zeros"]["total_bytes"], m
   assert "| naive |" in (tmp_path / "sharding.md").read_text()
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, computations, init_mlp, reachable, xent_loss
+from helpers import assert_trees_close, computations, init_mlp, mlp, reachable, xent_loss
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_mesh import (
@@ -29,6 +29,7 @@ from test_flax_mesh import mesh as explicit_mesh
 from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put, shapes_of
 
 import gradaccum_jax as ga
+from gradaccum_jax import _train_step as ga_train_step
 
 # --- reading the compiled HLO: collectives, where they run, over which devices ----------------
 
@@ -399,6 +400,131 @@ def test_micro_step_keeps_model_state_sharded_over_the_model_axis(kind):
   assert_trees_close(p, expected)
   np.testing.assert_allclose(s["ema"], ema, rtol=1e-5, atol=1e-6)
   assert s["ema"].sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1), s["ema"].sharding
+
+
+# --- donated: the scan adds into the state's accumulator on the mesh too ----------------------
+
+LAYOUTS = {  # (mesh, param_specs, gather_params)
+  "replicated": ("1d", None, "once"),
+  "fsdp_once": ("1d", FSDP, "once"),
+  "fsdp_per_microbatch": ("1d", FSDP, "per_microbatch"),
+  "tp": ("2d", TP, "once"),
+  "fsdp_tp_per_microbatch": ("2d", FSDP_TP, "per_microbatch"),
+}
+
+
+def kept(batch):
+  """The rows a weighted loss counts (a padding mask): about two in three."""
+  return (batch["y"] % 3 != 0).astype(jnp.float32)
+
+
+def masked_loss(params, batch):
+  """The mean cross-entropy over the kept rows: weighted by their number, a window's gradient
+  is the gradient of the mean over every kept row of the window, however it is split."""
+  logp = jax.nn.log_softmax(mlp(params, batch["x"]))
+  rows = -jnp.take_along_axis(logp, batch["y"][:, None], axis=1)[:, 0]
+  return jnp.sum(kept(batch) * rows) / jnp.maximum(jnp.sum(kept(batch)), 1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
+  layout, weighted, monkeypatch
+):
+  """Donated, on an accelerator (``SCAN_INTO_STATE``, the choice off the CPU), each device's
+  scan starts from its share of the state's accumulator: the first device of each group that
+  the sums are reduced over starts from a window left open by streaming calls, the others from
+  zeros (unweighted, scaled by the devices, as the reduction divides by them), so the open
+  window counts once. SGD's update against the closed form of the window's mean gradient,
+  over every layout."""
+  monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", True)
+  mesh_kind, specs, gather = LAYOUTS[layout]
+  mesh = mesh_1d() if mesh_kind == "1d" else mesh_2d()
+  devices = mesh.shape["data"]
+  k, lr = 2, 0.5
+  params = init_mlp(jax.random.key(0), SIZES)
+  streamed, batch = data(4, key=4), data(devices * k * 2)
+  loss_fn = masked_loss if weighted else xent_loss
+  grad = jax.jit(jax.grad(loss_fn))
+  if weighted:  # G: the mean over every kept row of the window
+    both = jax.tree.map(lambda a, b: np.concatenate([a, b]), streamed, batch)
+    total = lambda p: masked_loss(p, both) * jnp.sum(kept(both))  # noqa: E731
+    mean_grad = jax.tree.map(lambda g: g / jnp.sum(kept(both)), jax.grad(total)(params))
+    weight = jnp.sum(kept(streamed))
+  else:  # every micro-batch weighs 1: G = (g_streamed + k * g_batch) / (k + 1)
+    g_s, g_b = grad(params, streamed), grad(params, batch)
+    mean_grad = jax.tree.map(lambda a, b: (a + k * b) / (k + 1), g_s, g_b)
+    weight = None
+  expected = jax.tree.map(lambda w, g: w - lr * g, params, mean_grad)
+
+  tx = ga.accumulate(optax.sgd(lr), k + 1)  # one micro-batch streamed, k in the step
+  p = put(params, mesh, P() if specs is None else specs)
+  state = tx.init(p)
+  _, state = jax.jit(tx.update)(grad(params, streamed), state, p, weight=weight)
+  assert int(state.micro_step) == 1
+  step = ga.train_step(
+    loss_fn, ga.accumulate(optax.sgd(lr), k), mesh=mesh, param_specs=specs,
+    gather_params=gather, donate=True, weight_fn=(lambda mb: jnp.sum(kept(mb))) if weighted else None,
+  )  # fmt: skip
+  p, state, metrics = step(p, state, put(batch, mesh, P("data")))
+  assert bool(metrics["updated"])
+  assert_trees_close(p, expected)
+  assert int(state.micro_step) == 0 and int(state.count) == 1
+  for leaf in jax.tree.leaves(state.acc_grads):
+    assert not np.any(np.asarray(leaf)), "the accumulator is cleared"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "layout,share", [("replicated", 1), ("fsdp_per_microbatch", D), ("tp", 2), ("fsdp_once", None)]
+)
+def test_a_donated_mesh_step_scanning_into_the_state_needs_one_accumulator_less(layout, share):
+  """Compiled temp memory per device, donated, scanning into the state's accumulator against
+  scanning from zeros: one accumulator less where a device's accumulator in the scan is its
+  share of the state's (replicated over the data axes: the whole of it, or its ``1/2`` on the
+  model axis; sharded and reduced per micro-batch: ``1/D``), unchanged where the scan needs
+  the whole gradient of a sharded param (``"once"``)."""
+  mesh_kind, specs, gather = LAYOUTS[layout]
+  mesh = mesh_1d() if mesh_kind == "1d" else mesh_2d()
+  sizes = (1024, 2048, 1024)  # two layers, as the layouts' specs
+  sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+  concrete = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
+  layout_specs = jax.tree.broadcast(
+    P() if specs is None else specs, concrete, is_leaf=lambda s: isinstance(s, P)
+  )
+  params = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(s)),
+    concrete, layout_specs,
+  )  # fmt: skip
+  tx = ga.accumulate(optax.adam(1e-3), 8)
+  state = jax.tree.map(  # laid out as tx.init(params) (eval_shape gives abstract meshes)
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding(P() if x.sharding is None else x.sharding.spec)
+    ),
+    jax.eval_shape(tx.init, params),
+  )
+  rows = mesh.shape["data"] * 8 * 16
+  batch = {
+    "x": jax.ShapeDtypeStruct((rows, sizes[0]), jnp.float32, sharding=sharding(P("data"))),
+    "y": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding(P("data"))),
+  }
+  temp = {}
+  for into in (False, True):
+    old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, into
+    try:
+      step = ga.train_step(
+        xent_loss, tx, mesh=mesh, param_specs=specs, gather_params=gather, donate=True
+      )
+      temp[into] = step.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
+    finally:
+      ga_train_step.SCAN_INTO_STATE = old
+  acc = sum(x.size * 4 for x in jax.tree.leaves(concrete))
+  saved = temp[False] - temp[True]
+  if share is None:
+    assert abs(saved) <= 4096, temp
+  else:
+    assert abs(saved - acc / share) <= 4096, (temp, acc / share)
 
 
 # --- bad input ---------------------------------------------------------------------------------
