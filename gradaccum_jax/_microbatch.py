@@ -137,9 +137,14 @@ class MicrobatchedGrad:
     model_state: Any = None,
     scale: jax.Array | None = None,
     num_real: jax.Array | None = None,
+    in_buffer: bool = False,
   ) -> Window:
     """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros, or sums in
-    float32 or wider: a narrower leaf keeps a running mean from zero); on a mesh if set."""
+    float32 or wider: a narrower leaf keeps a running mean from zero); on a mesh if set.
+
+    The scan starts from ``acc_init``; on a mesh only with ``in_buffer`` (the donated step
+    scanning into the state's accumulator, in its buffer), and only where a device's
+    accumulator is its share of it, otherwise ``acc_init`` is added after the reduction."""
     check_trainable(params)
     dp = self.options.parallel
     if dp is None:
@@ -153,7 +158,7 @@ class MicrobatchedGrad:
       )
     return over_mesh(
       dp, self.local_sums, self.options.weighting, self.num_microbatches,
-      params, batch, rng, acc_init, model_state, scale, num_real,
+      params, batch, rng, acc_init, model_state, scale, num_real, in_buffer,
     )  # fmt: skip
 
   def local_sums(

@@ -439,6 +439,7 @@ def over_mesh(
   model_state: Any,
   scale: jax.Array | None,
   num_real: jax.Array | None,
+  in_buffer: bool = False,
 ) -> Any:
   """Runs ``local_sums`` on every device's rows under ``shard_map``, then reduces once.
 
@@ -450,9 +451,10 @@ def over_mesh(
   :class:`Sums` and :class:`NoiseSums`), the data-sharded gradients reduce-scattered (once)
   or summed over the data axes they are replicated over (per micro-batch), float
   model-state leaves averaged and integer ones maxed where they differ between devices.
-  Returns the ``Window`` of the whole global batch, its gradients added to ``acc_init``: in
-  the scan where a device's accumulator is its share of ``acc_init`` (``_LeafPlan.seeds``),
-  after the reduction otherwise.
+  Returns the ``Window`` of the whole global batch, its gradients added to ``acc_init``: with
+  ``in_buffer``, in the scan where a device's accumulator is its share of ``acc_init``
+  (``_LeafPlan.seeds``; the donated step's scan into the state's accumulator), after the
+  reduction otherwise.
   """
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
@@ -473,7 +475,7 @@ def over_mesh(
   acc_dtypes = [jnp.result_type(a) for a in acc_leaves]
   # Leaves whose per-device accumulator is shaped as their share of acc_init start the scan
   # from it (in the state's own buffer when it is donated); the others add it after.
-  seeded = [p.seeds(per_mb) for p in plans]
+  seeded = [in_buffer and p.seeds(per_mb) for p in plans]
   seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
   seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
   static = {}

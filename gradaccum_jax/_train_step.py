@@ -326,7 +326,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     scale = None if state.loss_scale is None else state.loss_scale.scale
     seeded = in_loop and scan_into_state(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
-    window = mg.sums(params, batch, rng, init, model_state, scale, num_real)
+    window = mg.sums(params, batch, rng, init, model_state, scale, num_real, in_buffer=seeded)
     sums = window.sums
     if seeded:  # close clears it after the update (in place)
       acc_grads, cleared = sums.grads, None

@@ -1,5 +1,6 @@
 """FSDP gather policies (once, per micro-batch, auto) and tensor-parallel meshes, on 8 CPU devices."""
 
+import math
 import re
 
 import jax
@@ -404,13 +405,24 @@ def test_micro_step_keeps_model_state_sharded_over_the_model_axis(kind):
 
 # --- donated: the scan adds into the state's accumulator on the mesh too ----------------------
 
+# HSDP: the batch split over ("replica", "data"), the weights sharded over "data" only.
+HSDP = {"layer0": {"w": P(None, "data"), "b": P()}, "layer1": {"w": P("data"), "b": P()}}
 LAYOUTS = {  # (mesh, param_specs, gather_params)
   "replicated": ("1d", None, "once"),
   "fsdp_once": ("1d", FSDP, "once"),
   "fsdp_per_microbatch": ("1d", FSDP, "per_microbatch"),
   "tp": ("2d", TP, "once"),
   "fsdp_tp_per_microbatch": ("2d", FSDP_TP, "per_microbatch"),
+  "hsdp_per_microbatch": ("hsdp", HSDP, "per_microbatch"),
 }
+
+
+def layout_mesh(kind):
+  """``(mesh, data axes)`` of a LAYOUTS mesh kind."""
+  if kind == "hsdp":
+    mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(AxisType.Explicit,) * 2)
+    return mesh, ("replica", "data")
+  return (mesh_1d() if kind == "1d" else mesh_2d()), "data"
 
 
 def kept(batch):
@@ -427,8 +439,12 @@ def masked_loss(params, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+  "layout,weighted",
+  [(layout, False) for layout in LAYOUTS]
+  # Weighted, where the open window starts on one device of a group: nothing is scaled.
+  + [("replicated", True), ("fsdp_tp_per_microbatch", True), ("hsdp_per_microbatch", True)],
+)
 def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
   layout, weighted, monkeypatch
 ):
@@ -437,11 +453,12 @@ def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
   the sums are reduced over starts from a window left open by streaming calls, the others from
   zeros (unweighted, scaled by the devices, as the reduction divides by them), so the open
   window counts once. SGD's update against the closed form of the window's mean gradient,
-  over every layout."""
+  over every layout (HSDP: a weight sharded over "data" starts on the first "replica", a bias
+  replicated over both data axes on one device of the eight)."""
   monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", True)
   mesh_kind, specs, gather = LAYOUTS[layout]
-  mesh = mesh_1d() if mesh_kind == "1d" else mesh_2d()
-  devices = mesh.shape["data"]
+  mesh, axes = layout_mesh(mesh_kind)
+  devices = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
   k, lr = 2, 0.5
   params = init_mlp(jax.random.key(0), SIZES)
   streamed, batch = data(4, key=4), data(devices * k * 2)
@@ -464,10 +481,10 @@ def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
   _, state = jax.jit(tx.update)(grad(params, streamed), state, p, weight=weight)
   assert int(state.micro_step) == 1
   step = ga.train_step(
-    loss_fn, ga.accumulate(optax.sgd(lr), k), mesh=mesh, param_specs=specs,
+    loss_fn, ga.accumulate(optax.sgd(lr), k), mesh=mesh, data_axis=axes, param_specs=specs,
     gather_params=gather, donate=True, weight_fn=(lambda mb: jnp.sum(kept(mb))) if weighted else None,
   )  # fmt: skip
-  p, state, metrics = step(p, state, put(batch, mesh, P("data")))
+  p, state, metrics = step(p, state, put(batch, mesh, P(axes)))
   assert bool(metrics["updated"])
   assert_trees_close(p, expected)
   assert int(state.micro_step) == 0 and int(state.count) == 1
@@ -486,7 +503,7 @@ def test_a_donated_mesh_step_scanning_into_the_state_needs_one_accumulator_less(
   model axis; sharded and reduced per micro-batch: ``1/D``), unchanged where the scan needs
   the whole gradient of a sharded param (``"once"``)."""
   mesh_kind, specs, gather = LAYOUTS[layout]
-  mesh = mesh_1d() if mesh_kind == "1d" else mesh_2d()
+  mesh = layout_mesh(mesh_kind)[0]
   sizes = (1024, 2048, 1024)  # two layers, as the layouts' specs
   sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
   concrete = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
