@@ -306,24 +306,51 @@ def interleaved(steps: dict[str, Any], state: dict[str, Any], cfg: dict[str, Any
   return {m: summarize(samples[m]) for m in methods}
 
 
+class ParamsModel:
+  """The params-dominated model of the gather and donated comparisons, its batch on the mesh."""
+
+  def __init__(self, cfg: dict[str, Any], mesh: Any, k: int):
+    self.mesh, self.k, self.b = mesh, k, cfg["b"]
+    n = mesh.shape["data"]
+    self.params0 = init_params(jax.random.key(0), cfg["layers"])
+    self.batch = jax.device_put(
+      make_batch(jax.random.key(1), n * k * cfg["b"], cfg["layers"]),
+      NamedSharding(mesh, P("data")),
+    )
+    self.fsdp = fsdp_specs(self.params0, n)
+
+  def placed(self, specs: Any) -> tuple[Any, Any, Any]:
+    """``(tx, params, state)``: adam accumulated over k, the params laid out as ``specs`` (the
+    state's zeros_like keeps it; its scalar counters replicated)."""
+    tx = ga.accumulate(optax.adam(LR), self.k)
+    spec_tree = jax.tree.broadcast(specs, self.params0, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), self.params0, spec_tree
+    )
+    state = jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(self.mesh, P())) if x.ndim == 0 else x,
+      tx.init(params),
+    )
+    return tx, params, state
+
+  def run(self, **results: Any) -> dict[str, Any]:
+    """A run's record: its sizes and ``results``."""
+    return {
+      "k": self.k,
+      "b": self.b,
+      "B": self.mesh.shape["data"] * self.k * self.b,
+      "param_bytes": sum(int(x.size) * 4 for x in jax.tree.leaves(self.params0)),
+      **results,
+    }
+
+
 def run_gather(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   """gather_params="once" against "per_microbatch" for a params-dominated model."""
-  n = mesh.shape["data"]
-  params0 = init_params(jax.random.key(0), cfg["layers"])
-  batch = jax.device_put(
-    make_batch(jax.random.key(1), n * k * cfg["b"], cfg["layers"]), NamedSharding(mesh, P("data"))
-  )
-  specs = fsdp_specs(params0, n)
-  spec_tree = jax.tree.broadcast(specs, params0, is_leaf=lambda x: isinstance(x, P))
+  model = ParamsModel(cfg, mesh, k)
+  batch, specs = model.batch, model.fsdp
   result, steps, state, first = {}, {}, {}, {}
   for gather in GATHERS:
-    tx = ga.accumulate(optax.adam(LR), k)
-    params = jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params0, spec_tree
-    )
-    opt_state = jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, P())) if x.ndim == 0 else x, tx.init(params)
-    )
+    tx, params, opt_state = model.placed(specs)
     step = ga.train_step(loss_fn, tx, mesh=mesh, param_specs=specs, gather_params=gather)
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
@@ -345,13 +372,7 @@ def run_gather(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   )
   for gather, stats in interleaved(steps, state, cfg).items():
     result[gather].update(stats)
-  return {
-    "k": k,
-    "b": cfg["b"],
-    "B": n * k * cfg["b"],
-    "param_bytes": sum(int(x.size) * 4 for x in jax.tree.leaves(params0)),
-    "methods": result,
-  }
+  return model.run(methods=result)
 
 
 DONATED_LAYOUTS = ("replicated", "once", "per_microbatch")
@@ -363,22 +384,11 @@ def run_donated(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   params-dominated model replicated and sharded (FSDP). Compiles only."""
   from gradaccum_jax import _train_step as ga_train_step  # noqa: PLC0415
 
-  n = mesh.shape["data"]
-  params0 = init_params(jax.random.key(0), cfg["layers"])
-  batch = jax.device_put(
-    make_batch(jax.random.key(1), n * k * cfg["b"], cfg["layers"]), NamedSharding(mesh, P("data"))
-  )
+  model = ParamsModel(cfg, mesh, k)
   result = {}
   for layout in DONATED_LAYOUTS:
-    specs = P() if layout == "replicated" else fsdp_specs(params0, n)
-    spec_tree = jax.tree.broadcast(specs, params0, is_leaf=lambda x: isinstance(x, P))
-    params = jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params0, spec_tree
-    )
-    tx = ga.accumulate(optax.adam(LR), k)
-    state = jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, P())) if x.ndim == 0 else x, tx.init(params)
-    )
+    specs = P() if layout == "replicated" else model.fsdp
+    tx, params, state = model.placed(specs)
     result[layout] = {}
     for into in (False, True):
       old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, into
@@ -387,20 +397,14 @@ def run_donated(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
           loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs,
           gather_params="once" if layout == "replicated" else layout, donate=True,
         )  # fmt: skip
-        mem = step.lower(params, state, batch).compile().memory_analysis()
+        mem = step.lower(params, state, model.batch).compile().memory_analysis()
       finally:
         ga_train_step.SCAN_INTO_STATE = old
       result[layout]["into_state" if into else "from_zeros"] = {
         "temp_bytes": int(mem.temp_size_in_bytes),
         "total_bytes": compiled_bytes(mem),
       }
-  return {
-    "k": k,
-    "b": cfg["b"],
-    "B": n * k * cfg["b"],
-    "param_bytes": sum(int(x.size) * 4 for x in jax.tree.leaves(params0)),
-    "layouts": result,
-  }
+  return model.run(layouts=result)
 
 
 def run_streaming(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
