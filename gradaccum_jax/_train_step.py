@@ -332,7 +332,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
     window = mg.sums(params, batch, rng, init, model_state, scale, num_real, in_buffer=seeded)
     sums = window.sums
-    if seeded:  # close clears it after the update (in place)
+    if seeded:  # close writes the new zeros (donated: over the sums, after the update)
       acc_grads, cleared = sums.grads, None
     else:
       acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_loop)
