@@ -645,26 +645,40 @@ def test_a_two_axis_mesh_without_a_data_axis_names_its_axes():
 
 
 @pytest.mark.slow
-def test_linen_step_gathering_per_microbatch_matches_the_device_group_reference():
+@pytest.mark.parametrize(
+  "layout,donated",
+  [
+    ("fsdp_per_microbatch", False),
+    ("replicated", True),
+    ("fsdp_once", True),
+    ("fsdp_per_microbatch", True),
+  ],
+)
+def test_linen_step_matches_the_device_group_reference(layout, donated, monkeypatch):
+  """FSDP params gathered per micro-batch, and donated steps scanning into the state's
+  accumulator (the accelerators' program, forced) in every layout: BatchNorm's statistics, the
+  first update and the loss as the device-group reference computes them."""
+  monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", True)  # read by donated steps only
   model, m, batch, rng = LinenCNN(), explicit_mesh(), image_batch(), jax.random.key(7)
   variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
-  params, stats = variables["params"], variables["batch_stats"]
-  specs = fsdp_specs(params)
+  params, stats = jax.device_get((variables["params"], variables["batch_stats"]))  # donation
+  specs = None if layout == "replicated" else fsdp_specs(params)  # spares these host copies
   state = TrainState.create(
     apply_fn=model.apply,
-    params=put(params, m, specs),
+    params=put(params, m, P() if specs is None else specs),
     batch_stats=put(stats, m, P()),
     tx=ga.accumulate(optax.adam(LR), FLAX_K),
   )
   step = ga.linen_train_step(
     model, xent, train_kwargs={"train": True}, mesh=m, param_specs=specs,
-    gather_params="per_microbatch",
+    gather_params=LAYOUTS[layout][2], donate=donated,
   )  # fmt: skip
   new_state, metrics = step(state, put(batch, m, P("data")), rng)
   ref_params, ref_stats, ref_loss = linen_reference(model, params, stats, batch, rng)
   assert_trees_close(new_state.params, ref_params)
   assert_trees_close(new_state.batch_stats, ref_stats)
   np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  assert int(new_state.step) == 1 and bool(metrics["updated"])
 
 
 @pytest.mark.slow
