@@ -494,7 +494,9 @@ def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp_once", "fsdp_per_microbatch"])
-def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from_zeros(layout):
+def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from_zeros(
+  layout, monkeypatch
+):
   """The donated mesh step scanning into the state's accumulator (the accelerators' program)
   against the one scanning from zeros (the CPU's, tested against the big-batch step in
   tests/test_sharding.py), from the same start with adam and the noise scale estimated: a
@@ -508,25 +510,22 @@ def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from
   batches = [put(data(D * k * 2, key=5 + i), mesh, P(axes)) for i in range(2)]
   runs, programs = {}, {}
   for into in (False, True):
-    old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, into
-    try:
-      tx = ga.accumulate(optax.adam(1e-2), k, noise_scale_ema=0.9)
-      p = put(params, mesh, P() if specs is None else specs)
-      state = tx.init(p)
-      _, state = jax.jit(tx.update)(jax.grad(xent_loss)(params, streamed), state, p)
-      assert int(state.micro_step) == 1
-      step = ga.train_step(
-        xent_loss, tx, mesh=mesh, data_axis=axes, param_specs=specs, gather_params=gather,
-        donate=True,
-      )  # fmt: skip
-      programs[into] = step.lower(p, state, batches[0], num_real_microbatches=None).as_text()
-      metrics = []
-      for batch, m in zip(batches, (None, 1), strict=True):
-        p, state, out = step(p, state, batch, num_real_microbatches=m)
-        metrics.append(jax.device_get(out))
-      runs[into] = jax.device_get((p, state, metrics))
-    finally:
-      ga_train_step.SCAN_INTO_STATE = old
+    monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", into)  # read when a step is traced
+    tx = ga.accumulate(optax.adam(1e-2), k, noise_scale_ema=0.9)
+    p = put(params, mesh, P() if specs is None else specs)
+    state = tx.init(p)
+    _, state = jax.jit(tx.update)(jax.grad(xent_loss)(params, streamed), state, p)
+    assert int(state.micro_step) == 1
+    step = ga.train_step(
+      xent_loss, tx, mesh=mesh, data_axis=axes, param_specs=specs, gather_params=gather,
+      donate=True,
+    )  # fmt: skip
+    programs[into] = step.lower(p, state, batches[0], num_real_microbatches=None).as_text()
+    metrics = []
+    for batch, m in zip(batches, (None, 1), strict=True):
+      p, state, out = step(p, state, batch, num_real_microbatches=m)
+      metrics.append(jax.device_get(out))
+    runs[into] = jax.device_get((p, state, metrics))
   assert programs[True] != programs[False]
   (p0, s0, m0), (p1, s1, m1) = runs[False], runs[True]
   assert_trees_close(p1, p0)
