@@ -502,8 +502,8 @@ def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from
   tests/test_sharding.py), from the same start with adam and the noise scale estimated: a
   window left open by a streamed micro-batch, then a short window (``num_real_microbatches=1``).
   The same params, metrics and state, and two different programs."""
-  mesh, axes = layout_mesh(LAYOUTS[layout][0])
-  _, specs, gather = LAYOUTS[layout]
+  mesh_kind, specs, gather = LAYOUTS[layout]
+  mesh, axes = layout_mesh(mesh_kind)
   k = 2
   params = jax.device_get(init_mlp(jax.random.key(0), SIZES))  # on the host: donation spares it
   streamed = data(4, key=4)
@@ -660,8 +660,9 @@ def test_linen_step_matches_the_device_group_reference(layout, donated, monkeypa
   monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", True)  # read by donated steps only
   model, m, batch, rng = LinenCNN(), explicit_mesh(), image_batch(), jax.random.key(7)
   variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
-  params, stats = jax.device_get((variables["params"], variables["batch_stats"]))  # donation
-  specs = None if layout == "replicated" else fsdp_specs(params)  # spares these host copies
+  # On the host, so that the donated step spares them for the reference below.
+  params, stats = jax.device_get((variables["params"], variables["batch_stats"]))
+  specs = None if layout == "replicated" else fsdp_specs(params)
   state = TrainState.create(
     apply_fn=model.apply,
     params=put(params, m, P() if specs is None else specs),
