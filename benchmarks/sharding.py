@@ -379,28 +379,21 @@ DONATED_LAYOUTS = ("replicated", "once", "per_microbatch")
 
 
 def run_donated(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
-  """Compiled memory per device of the donated step, its scan from zeros against into the
-  state's accumulator (``ga._train_step.SCAN_INTO_STATE``: the default off the CPU), for the
-  params-dominated model replicated and sharded (FSDP). Compiles only."""
-  from gradaccum_jax import _train_step as ga_train_step  # noqa: PLC0415
-
+  """Compiled memory per device of the step donated and not, for the params-dominated model
+  replicated and sharded (FSDP). Compiles only."""
   model = ParamsModel(cfg, mesh, k)
   result = {}
   for layout in DONATED_LAYOUTS:
     specs = P() if layout == "replicated" else model.fsdp
     tx, params, state = model.placed(specs)
     result[layout] = {}
-    for into in (False, True):
-      old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, into
-      try:
-        step = ga.train_step(
-          loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs,
-          gather_params="once" if layout == "replicated" else layout, donate=True,
-        )  # fmt: skip
-        mem = step.lower(params, state, model.batch).compile().memory_analysis()
-      finally:
-        ga_train_step.SCAN_INTO_STATE = old
-      result[layout]["into_state" if into else "from_zeros"] = {
+    for donate in (False, True):
+      step = ga.train_step(
+        loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs,
+        gather_params="once" if layout == "replicated" else layout, donate=donate,
+      )  # fmt: skip
+      mem = step.lower(params, state, model.batch).compile().memory_analysis()
+      result[layout]["donated" if donate else "undonated"] = {
         "temp_bytes": int(mem.temp_size_in_bytes),
         "total_bytes": compiled_bytes(mem),
       }
@@ -513,16 +506,16 @@ def gather_table(runs: list[dict[str, Any]]) -> str:
 
 def donated_table(run: dict[str, Any]) -> str:
   rows = [
-    "| layout | temp MiB / device, from zeros | into the state | saved | total MiB / device,"
-    " from zeros | into the state |",
+    "| layout | temp MiB / device, undonated | donated | total MiB / device, undonated |"
+    " donated | saved |",
     "|---|---:|---:|---:|---:|---:|",
   ]
   for layout, m in run["layouts"].items():
-    zeros, into = m["from_zeros"], m["into_state"]
+    plain, don = m["undonated"], m["donated"]
     rows.append(
-      f"| {layout} | {zeros['temp_bytes'] / MIB:.1f} | {into['temp_bytes'] / MIB:.1f} |"
-      f" {(zeros['temp_bytes'] - into['temp_bytes']) / MIB:.1f} |"
-      f" {zeros['total_bytes'] / MIB:.1f} | {into['total_bytes'] / MIB:.1f} |"
+      f"| {layout} | {plain['temp_bytes'] / MIB:.1f} | {don['temp_bytes'] / MIB:.1f} |"
+      f" {plain['total_bytes'] / MIB:.1f} | {don['total_bytes'] / MIB:.1f} |"
+      f" {(plain['total_bytes'] - don['total_bytes']) / MIB:.1f} |"
     )
   return "\n".join(rows)
 
@@ -613,15 +606,13 @@ def main(argv: Sequence[str] | None = None) -> int:
       "",
       stream_table(stream_runs),
       "",
-      "## Donated: the scan into the state's accumulator",
+      "## Donated and undonated",
       "",
-      f"The FSDP section's MLP, adam, k={donated['k']}, donate=True, compiled only: per-device"
-      " memory (compiled.memory_analysis()) of the scan from zeros (the default on a CPU)"
-      " against the scan into the state's accumulator (the default on an accelerator:"
-      " ga._train_step.SCAN_INTO_STATE). Replicated, each device's scan starts from the"
-      " state's accumulator itself, so the window holds one accumulator; 'once' gathers each"
-      " param for the window and sums its whole gradient in a buffer of its own (the state"
-      " keeps 1/D), so nothing changes; 'per_microbatch' starts from its 1/D shard.",
+      f"The FSDP section's MLP, adam, k={donated['k']}, compiled only: per-device memory"
+      " (compiled.memory_analysis()) of the step undonated and donated. Donated, each device's"
+      " scan starts from its share of the state's accumulator (replicated: the whole of it;"
+      " 'per_microbatch': its 1/D shard), so the window holds one accumulator; 'once' gathers"
+      " each param for the window and sums its whole gradient in a buffer of its own.",
       "",
       donated_table(donated),
       "",

@@ -8,10 +8,8 @@ each jitted with params and state donated:
   plain_b   one optimizer step on a micro-batch of b sequences: the throughput to keep
   plain_kb  one optimizer step on the whole k*b sequences (what accumulation emulates)
   ga        ga.train_step on the k*b sequences (k micro-batches of b, compute_dtype=bf16)
-  ga_scan_into_state / ga_scan_from_zeros
-            the same, with the other choice of whether the scan adds the gradients into the
-            state's accumulator (one accumulator in memory; the default on accelerators) or
-            into its own from zeros (the default on the CPU, faster there at small b)
+  min_scan  a hand-written lax.scan of the k micro-batch gradients from zeros, their mean, one
+            update (bf16 compute as ga's): the floor for an accumulating step
 
 Timing: interleaved rounds, each timing ``--reps`` calls of every program after two
 warm-up calls; tokens/s per round and the same-round ratio ga / plain_b (median and
@@ -56,7 +54,7 @@ try:
 except ModuleNotFoundError:  # run from a source tree without installing
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import gradaccum_jax as ga
-from gradaccum_jax import _train_step as ga_train_step
+from gradaccum_jax._train_step import JitStep
 
 MIB = 2**20
 
@@ -156,46 +154,30 @@ def programs(c: Config):
     return optax.apply_updates(p, u), s
 
   ga_step = ga.train_step(loss_fn, tx, donate=True, compute_dtype=c.dtype)
-  into = ga_train_step.scan_into_state(
-    jax.eval_shape(tx.init, init(jax.random.key(0), c)).acc_grads
-  )
-  other = "ga_scan_from_zeros" if into else "ga_scan_into_state"
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def min_scan(p, s, batch):
+    low = jax.tree.map(lambda x: x.astype(c.dtype), p)
+
+    def body(acc, i):
+      g = jax.grad(loss_fn)(low, ga.microbatch(batch, i, c.k))
+      return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g), None
+
+    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), jnp.arange(c.k))
+    u, s = opt.update(jax.tree.map(lambda a: a / c.k, acc), s, p)
+    return optax.apply_updates(p, u), s
+
   return {
     "plain_b": (opt, plain, micro),
     "plain_kb": (opt, plain, whole),
     "ga": (tx, ga_step, whole),
-    other: (
-      tx,
-      Flipped(ga.train_step(loss_fn, tx, donate=True, compute_dtype=c.dtype), not into),
-      whole,
-    ),
+    "min_scan": (opt, min_scan, whole),
   }
-
-
-class Flipped:
-  """A ga.train_step traced with the other choice of whether the scan adds into the state's
-  accumulator (``ga._train_step.SCAN_INTO_STATE``, read when the step is traced)."""
-
-  def __init__(self, step, scan_into_state):
-    self.step, self.scan_into_state = step, scan_into_state
-
-  def _with(self, fn, *args, **kwargs):
-    old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, self.scan_into_state
-    try:
-      return fn(*args, **kwargs)
-    finally:
-      ga_train_step.SCAN_INTO_STATE = old
-
-  def __call__(self, *args, **kwargs):
-    return self._with(self.step, *args, **kwargs)
-
-  def lower(self, *args, **kwargs):
-    return self._with(self.step.lower, *args, **kwargs)
 
 
 def lowered(step, *args):
   """``step.lower(*args)`` with the keywords a call passes, so that it finds the call's program."""
-  if isinstance(step, ga_train_step.JitStep | Flipped):  # ga.train_step's
+  if isinstance(step, JitStep):  # ga.train_step's
     return step.lower(*args, num_real_microbatches=None)
   return step.lower(*args)  # a plain jax.jit
 
@@ -342,7 +324,7 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
   }
   if fp.get("plain_b") is not None:
     out["footprint_over_plain_b_plus_acc"] = {
-      n: fp[n] / (fp["plain_b"] + acc_bytes + batch_extra) for n in runs if n.startswith("ga")
+      n: fp[n] / (fp["plain_b"] + acc_bytes + batch_extra) for n in runs if n in ("ga", "min_scan")
     }
   log("timing and memory analysis done")
   save(out)
@@ -394,9 +376,8 @@ def report(res, meta):
     ratios = ", ".join(f"{n} {v:.3f}" for n, v in res["footprint_over_plain_b_plus_acc"].items())
     lines.append(
       f"\nFootprint / (plain_b's + the float32 accumulator {mib(res['accumulator_bytes'])}"
-      f" MiB + the larger batch {mib(res['batch_extra_bytes'])} MiB): {ratios}. `ga` is this"
-      " backend's default; the other ga program makes the other choice of whether the scan adds"
-      " into the state's accumulator (`ga._train_step.SCAN_INTO_STATE`)."
+      f" MiB + the larger batch {mib(res['batch_extra_bytes'])} MiB): {ratios}. min_scan holds"
+      " its accumulator beside the optimizer state; ga scans into the state's."
     )
   if "peak" in res:
     cells = ", ".join(

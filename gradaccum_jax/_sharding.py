@@ -183,6 +183,15 @@ def _off_data(x: Any, axes: tuple[str, ...]) -> P:
   return P(*[None if not n else n[0] if len(n) == 1 else n for n in kept])
 
 
+def _explicit_auto_axes(x: Any) -> bool:
+  """Whether ``x`` (inside shard_map) lives on a mesh with Explicit axes besides the manual
+  ones. JAX 0.12 cannot lower a reduce-scatter of such an array (its scalar type keeps the
+  operand's spec: "Length of sharding.spec (1) must be equal to aval's ndim (0)"), so there a
+  ``psum`` and a slice stand in for it: twice the bytes, as for a model-sharded leaf."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def _names(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -241,7 +250,7 @@ class _LeafPlan:
 
   def scatter(self, g: jax.Array) -> jax.Array:
     """This device's shard of ``g`` summed over ``names`` (a reduce-scatter)."""
-    if not self.model:
+    if not (self.model or _explicit_auto_axes(g)):
       return jax.lax.psum_scatter(g, self.names, scatter_dimension=self.dim, tiled=True)
     return self.take(jax.lax.psum(g, self.names))
 

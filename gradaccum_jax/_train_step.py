@@ -68,9 +68,7 @@ def train_step(
     weight_fn: ``weight_fn(microbatch) -> scalar`` weight (e.g. number of
       non-padding tokens); ``None`` weighs micro-batches equally.
     donate: donate ``params`` and ``state`` to the step, so XLA updates them in
-      place (halves their memory; the arrays passed in are then invalid). On a
-      GPU, params and optimizer state under 64 MiB are updated with selects
-      instead of a loop, which XLA:GPU would wait on (they may be copied once).
+      place (halves their memory; the arrays passed in are then invalid).
     jit: return the step jitted (default) or as a plain traceable function, to
       be called inside your own ``jax.jit``, ``shard_map`` or ``lax.scan``.
     has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
@@ -319,30 +317,26 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)
     check_same_structure(params, state.acc_grads, "params")
-    # Donated: the merge and the update run in place in loops of 0 or 1 trips, except for a
-    # small state on a GPU (selects_on_gpu).
-    in_loop = in_place and not selects_on_gpu((params, state.inner_state))
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    seeded = (
-      scan_into_state(state.acc_grads)
-      if in_loop
-      else not in_place and dp is None and copies_state_into_scan(state.acc_grads)
-    )
+    # The scan adds onto the state's accumulator (zeros, or a window left open by streaming
+    # calls): donated, in that buffer, so a window holds one accumulator; undonated, XLA copies
+    # it into the loop's carry, as it would write zeros. A running mean restarts from zero.
+    seeded = not keeps_running_means(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
     window = mg.sums(params, batch, rng, init, model_state, scale, num_real, in_buffer=seeded)
     sums = window.sums
     if seeded:  # close writes the new zeros (donated: over the sums, after the update)
       acc_grads, cleared = sums.grads, None
     else:
-      acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_loop)
+      acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_place)
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
       state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     new_params, new_state, grad_norm = acc.close(
-      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_loop,
+      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place,
       norm_by_rows=dp is None,
     )  # fmt: skip
     if cleared is not None:
@@ -361,76 +355,6 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     return new_params, new_model_state, new_state, metrics
 
   return fused
-
-
-# Below this many bytes of params and optimizer state, the donated fused step on a GPU voids
-# a bad window with selects instead of a loop of 0 or 1 trips (see selects_on_gpu).
-GPU_SELECT_MAX_BYTES = 64 * 2**20
-
-
-def selects_on_gpu(tree: Any) -> bool:
-  """Whether the donated fused step should void a bad window with selects rather than a loop
-  of 0 or 1 trips (``_accumulate.run_if``): on a GPU, for a ``tree`` (the params and the inner
-  optimizer's state) of less than ``GPU_SELECT_MAX_BYTES``.
-
-  XLA:GPU runs a loop whose trip count it does not know from the host: before each trip it
-  copies the predicate to the host and waits for the device, so the host stops queueing work
-  ahead. In a step bound by kernel launches that wait shows (H200, MLP 784-512-512-10, adam,
-  k = 8, b = 8, windows back to back: the undonated fused step, which selects, 0.40 ms a
-  window against 0.50 for the donated one, which looped; a hand-written minimal scan 0.23 ms,
-  0.37 with such a loop). A select computes the update whatever the predicate and may copy
-  the state once (64 MiB read and written take about 30 us at the H200's bandwidth); for a
-  larger state its memory weighs more than one wait in a longer step. A TPU runs loops on the
-  device and XLA:CPU on the host itself, with no device to wait for: they loop.
-
-  The fused step runs the inner update once per window either way. Streaming calls
-  (``tx.update``, ``ga.micro_step``) keep their loop on every backend: selecting there would run
-  the inner optimizer on every micro-batch, as ``optax.MultiSteps`` does.
-  """
-  if jax.default_backend() != "gpu":
-    return False
-  size = lambda x: jnp.size(x) * getattr(getattr(x, "dtype", None), "itemsize", 8)  # noqa: E731
-  return sum(map(size, jax.tree.leaves(tree))) < GPU_SELECT_MAX_BYTES
-
-
-# Whether a donated step scans into the state's accumulator; None: on every backend but the
-# CPU (tests and benchmarks set it to compare the two programs).
-SCAN_INTO_STATE: bool | None = None
-
-
-def scan_into_state(acc: Any) -> bool:
-  """Whether the donated fused step adds the micro-batch gradients onto the state's
-  accumulator (zeros, or the sums of a window left open by streaming calls) in that buffer, so
-  that a window holds one accumulator, not that one idle beside a second that the scan fills
-  from zeros. On a mesh, for the leaves whose accumulator in the scan is a device's share of
-  the state's (replicated over the data axes, or sharded and reduced per micro-batch:
-  ``_sharding._LeafPlan.seeds``); a param gathered for the window (``"once"``) sums its whole
-  gradient in a buffer of its own and adds the state's after the reduction.
-
-  Not for a running mean (a narrower accumulator restarts from zero in the scan), and by
-  default not on the CPU, where it saves one accumulator of memory but the scan is slower:
-  XLA:CPU's matrix products add into a donated argument's buffer more slowly than into its
-  own at small micro-batches (the MLP 784-512-512-10 with adam, k = 8: 5 % at b = 8, none at
-  b = 32, in a hand-written scan as in ours). On an accelerator the memory is what is short.
-  """
-  if keeps_running_means(acc):
-    return False
-  return jax.default_backend() != "cpu" if SCAN_INTO_STATE is None else SCAN_INTO_STATE
-
-
-def copies_state_into_scan(acc: Any) -> bool:
-  """Whether the undonated fused step (without a mesh) starts its scan from the state's
-  accumulator, which XLA copies into the loop's carry, rather than from zeros with the sums of
-  a window left open by streaming calls added after the loop: on the CPU.
-
-  The copy costs what the zeros cost, and it saves the reads of the state's accumulator that
-  adding it makes where the sums are read (the norm and the update): on the CPU, the MLP
-  784-512-512-10 with adam, k = 8, b = 8, a hand-written undonated scan with ga's selects and
-  zeros took 1.102/1.089/1.094 (p10/p25/median) of the plain minimal scan starting from the
-  accumulator, 1.158/1.136/1.136 adding it after. Not for a running mean (see
-  :func:`scan_into_state`); off the CPU not measured, so from zeros.
-  """
-  return not keeps_running_means(acc) and jax.default_backend() == "cpu"
 
 
 def merge_open_window(

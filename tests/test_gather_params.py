@@ -30,7 +30,6 @@ from test_flax_mesh import mesh as explicit_mesh
 from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put, shapes_of
 
 import gradaccum_jax as ga
-from gradaccum_jax import _train_step as ga_train_step
 
 # --- reading the compiled HLO: collectives, where they run, over which devices ----------------
 
@@ -445,17 +444,13 @@ def masked_loss(params, batch):
   # Weighted, where the open window starts on one device of a group: nothing is scaled.
   + [("replicated", True), ("fsdp_tp_per_microbatch", True), ("hsdp_per_microbatch", True)],
 )
-def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
-  layout, weighted, monkeypatch
-):
-  """Donated, on an accelerator (``SCAN_INTO_STATE``, the choice off the CPU), each device's
-  scan starts from its share of the state's accumulator: the first device of each group that
+def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(layout, weighted):
+  """Donated, each device's scan starts from its share of the state's accumulator: the first device of each group that
   the sums are reduced over starts from a window left open by streaming calls, the others from
   zeros (unweighted, scaled by the devices, as the reduction divides by them), so the open
   window counts once. SGD's update against the closed form of the window's mean gradient,
   over every layout (HSDP: a weight sharded over "data" starts on the first "replica", a bias
   replicated over both data axes on one device of the eight)."""
-  monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", True)
   mesh_kind, specs, gather = LAYOUTS[layout]
   mesh, axes = layout_mesh(mesh_kind)
   devices = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
@@ -494,14 +489,12 @@ def test_a_donated_mesh_step_scanning_into_the_state_closes_a_window_left_open(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp_once", "fsdp_per_microbatch"])
-def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from_zeros(
-  layout, monkeypatch
-):
-  """The donated mesh step scanning into the state's accumulator (the accelerators' program)
-  against the one scanning from zeros (the CPU's, tested against the big-batch step in
-  tests/test_sharding.py), from the same start with adam and the noise scale estimated: a
-  window left open by a streamed micro-batch, then a short window (``num_real_microbatches=1``).
-  The same params, metrics and state, and two different programs."""
+def test_the_donated_mesh_step_trains_as_the_undonated_one(layout):
+  """The donated mesh step (scanning into the state's accumulator, the update in a loop of 0
+  or 1 trips) against the undonated one (selects, new buffers), from the same start with adam
+  and the noise scale estimated: a window left open by a streamed micro-batch, then a short
+  window (``num_real_microbatches=1``). The same params, metrics and state, from two
+  different programs."""
   mesh_kind, specs, gather = LAYOUTS[layout]
   mesh, axes = layout_mesh(mesh_kind)
   k = 2
@@ -509,8 +502,7 @@ def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from
   streamed = data(4, key=4)
   batches = [put(data(D * k * 2, key=5 + i), mesh, P(axes)) for i in range(2)]
   runs, programs = {}, {}
-  for into in (False, True):
-    monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", into)  # read when a step is traced
+  for into in (False, True):  # donated or not
     tx = ga.accumulate(optax.adam(1e-2), k, noise_scale_ema=0.9)
     p = put(params, mesh, P() if specs is None else specs)
     state = tx.init(p)
@@ -518,7 +510,7 @@ def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from
     assert int(state.micro_step) == 1
     step = ga.train_step(
       xent_loss, tx, mesh=mesh, data_axis=axes, param_specs=specs, gather_params=gather,
-      donate=True,
+      donate=into,
     )  # fmt: skip
     programs[into] = step.lower(p, state, batches[0], num_real_microbatches=None).as_text()
     metrics = []
@@ -535,58 +527,6 @@ def test_a_donated_mesh_step_scanning_into_the_state_trains_as_one_scanning_from
     assert_trees_close(a, b)
   assert [float(m["weight"]) for m in m0] == [k, 1]  # each batch's micro-batches run
   assert int(s1.count) == 2 and int(s1.micro_step) == 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "layout,share", [("replicated", 1), ("fsdp_per_microbatch", D), ("tp", 2), ("fsdp_once", None)]
-)
-def test_a_donated_mesh_step_scanning_into_the_state_needs_one_accumulator_less(layout, share):
-  """Compiled temp memory per device, donated, scanning into the state's accumulator against
-  scanning from zeros: one accumulator less where a device's accumulator in the scan is its
-  share of the state's (replicated over the data axes: the whole of it, or its ``1/2`` on the
-  model axis; sharded and reduced per micro-batch: ``1/D``), unchanged where the scan needs
-  the whole gradient of a sharded param (``"once"``)."""
-  mesh_kind, specs, gather = LAYOUTS[layout]
-  mesh = layout_mesh(mesh_kind)[0]
-  sizes = (1024, 2048, 1024)  # two layers, as the layouts' specs
-  sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-  concrete = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
-  layout_specs = jax.tree.broadcast(
-    P() if specs is None else specs, concrete, is_leaf=lambda s: isinstance(s, P)
-  )
-  params = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(s)),
-    concrete, layout_specs,
-  )  # fmt: skip
-  tx = ga.accumulate(optax.adam(1e-3), 8)
-  state = jax.tree.map(  # laid out as tx.init(params) (eval_shape gives abstract meshes)
-    lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=sharding(P() if x.sharding is None else x.sharding.spec)
-    ),
-    jax.eval_shape(tx.init, params),
-  )
-  rows = mesh.shape["data"] * 8 * 16
-  batch = {
-    "x": jax.ShapeDtypeStruct((rows, sizes[0]), jnp.float32, sharding=sharding(P("data"))),
-    "y": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding(P("data"))),
-  }
-  temp = {}
-  for into in (False, True):
-    old, ga_train_step.SCAN_INTO_STATE = ga_train_step.SCAN_INTO_STATE, into
-    try:
-      step = ga.train_step(
-        xent_loss, tx, mesh=mesh, param_specs=specs, gather_params=gather, donate=True
-      )
-      temp[into] = step.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
-    finally:
-      ga_train_step.SCAN_INTO_STATE = old
-  acc = sum(x.size * 4 for x in jax.tree.leaves(concrete))
-  saved = temp[False] - temp[True]
-  if share is None:
-    assert abs(saved) <= 4096, temp
-  else:
-    assert abs(saved - acc / share) <= 4096, (temp, acc / share)
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -653,11 +593,10 @@ def test_a_two_axis_mesh_without_a_data_axis_names_its_axes():
     ("fsdp_per_microbatch", True),
   ],
 )
-def test_linen_step_matches_the_device_group_reference(layout, donated, monkeypatch):
-  """FSDP params gathered per micro-batch, and donated steps scanning into the state's
-  accumulator (the accelerators' program, forced) in every layout: BatchNorm's statistics, the
-  first update and the loss as the device-group reference computes them."""
-  monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", True)  # read by donated steps only
+def test_linen_step_matches_the_device_group_reference(layout, donated):
+  """FSDP params gathered per micro-batch, and donated steps (scanning into the state's
+  accumulator) in every layout: BatchNorm's statistics, the first update and the loss as the
+  device-group reference computes them."""
   model, m, batch, rng = LinenCNN(), explicit_mesh(), image_batch(), jax.random.key(7)
   variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
   # On the host, so that the donated step spares them for the reference below.

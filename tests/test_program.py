@@ -17,7 +17,6 @@ from helpers import (
 )
 
 import gradaccum_jax as ga
-from gradaccum_jax import _train_step as ga_train_step
 
 # Large enough that XLA:CPU's memory_analysis reports real temp sizes (it reports ~0 below ~16 MiB).
 D_IN, HIDDEN, B_MICRO = 512, 2048, 1024
@@ -56,13 +55,6 @@ def compile_plain_step(params_shape, batch_size):
 
   state = jax.eval_shape(inner.init, params_shape)
   return jax.jit(plain).lower(params_shape, state, shapes(batch_size)).compile()
-
-
-# The donated fused step without a mesh scans into the state's accumulator on accelerators and
-# from zeros on the CPU (ga._train_step.scan_into_state); tests run both programs.
-scan_choice = pytest.mark.parametrize(
-  "scan_into_state", [False, True], ids=["scan_from_zeros", "scan_into_state"]
-)
 
 
 def temp_bytes(compiled):
@@ -237,17 +229,14 @@ def min_scan_step(inner, k):
 
 
 @pytest.mark.slow
-@scan_choice
 def test_the_donated_fused_step_copies_no_state_and_needs_the_memory_of_a_minimal_scan(
-  params_shape, scan_into_state, monkeypatch
+  params_shape,
 ):
-  """Donated, the inner update writes params, mu and nu in place: no array is copied outside
-  the loops, and the compiled temp memory is at most the hand-written minimal scan's, donated
-  too (before: 76.4 MiB against its 62.1 MiB, the accumulator, mu and nu copied every window).
-  Scanning into the state's accumulator (the default on accelerators) it is one accumulator
-  less (62.1 MiB, the scan's, against 41.9), so that the whole footprint, state included, is
-  the minimal scan's."""
-  monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", scan_into_state)
+  """Donated, the inner update writes params, mu and nu in place and the scan adds into the
+  state's accumulator: no array is copied outside the loops, and the compiled temp memory is
+  the hand-written minimal scan's less its accumulator (the state holds it), so the whole
+  footprint, state included, is the minimal scan's. Undonated, no more temp than the
+  undonated floor."""
   k = 8
   tx = ga.accumulate(optax.adam(1e-3), k)
   state = jax.eval_shape(tx.init, params_shape)
@@ -261,14 +250,11 @@ def test_the_donated_fused_step_copies_no_state_and_needs_the_memory_of_a_minima
     .compile()
   )
   scalars = 4096  # the metrics, counters and flags: a few hundred bytes
-  acc = nbytes(state.acc_grads) if scan_into_state else 0
+  acc = nbytes(state.acc_grads)
   assert 0 < temp_bytes(ours) <= temp_bytes(floor) - acc + scalars, (
     temp_bytes(ours), temp_bytes(floor), acc,
   )  # fmt: skip
-  if scan_into_state:
-    assert footprint(ours) <= footprint(floor) + scalars, (footprint(ours), footprint(floor))
-    return  # the undonated step below does not depend on the choice
-  # Without donation the selects write new buffers: no more than the undonated floor either.
+  assert footprint(ours) <= footprint(floor) + scalars, (footprint(ours), footprint(floor))
   plain = ga.train_step(xent_loss, tx).lower(params_shape, state, batch).compile()
   undonated_floor = (
     jax.jit(min_scan_step(inner, k))
@@ -293,17 +279,12 @@ def compile_small_donated_step(accum_dtype=jnp.float32):
   return params, batch, step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
 
 
-@scan_choice
-def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a_minimal_scan(
-  scan_into_state, monkeypatch
-):
+def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a_minimal_scan():
   """At b = 8 (the step-time benchmark's MLP 784-512-512-10, k = 8) the temp memory is the
-  minimal scan's too (less one accumulator, scanning into the state's: 1.57 MiB against
-  4.13), and no array is copied, inside the loops included. Before: 7.66 MiB against 4.13,
-  because merging a window left open by streaming calls (a loop that seldom runs) copied the
-  accumulator, and the buffers of those copies took room in the memory the micro-batch loop
-  uses (and slowed it, about 8 % at b = 8 in benchmarks/side_by_side.py)."""
-  monkeypatch.setattr(ga_train_step, "SCAN_INTO_STATE", scan_into_state)
+  minimal scan's less one accumulator (the scan adds into the state's), and no array is
+  copied, inside the loops included. Before: 7.66 MiB against 4.13, because merging a window
+  left open by streaming calls (a loop that seldom runs) copied the accumulator. A bf16
+  accumulator (running means) scans from zeros: one accumulator more, no copy either."""
   params, batch, ours = compile_small_donated_step()
   inner = optax.adam(1e-3)
   floor = (
@@ -312,45 +293,24 @@ def test_the_donated_fused_step_at_a_small_microbatch_needs_the_temp_memory_of_a
     .compile()
   )
   assert state_copies(ours, in_loops=True) == []
-  acc = nbytes(params) if scan_into_state else 0
-  assert 0 < temp_bytes(ours) <= temp_bytes(floor) - acc + 4096, (
+  assert 0 < temp_bytes(ours) <= temp_bytes(floor) - nbytes(params) + 4096, (
     temp_bytes(ours),
     temp_bytes(floor),
   )
-
-
-def test_the_scan_goes_into_the_state_on_accelerators_and_from_zeros_on_the_cpu(monkeypatch):
-  """The default of scan_into_state, seen through the compiled step: on this CPU the donated
-  step holds the minimal scan's temp memory; told the backend is a TPU, one accumulator less
-  (the program XLA:CPU compiles for it: the choice is made when the step is traced). A GPU
-  traces the same program for a state of GPU_SELECT_MAX_BYTES or more
-  (test_on_a_gpu_a_small_state_is_selected_not_looped). A bf16 accumulator (running means)
-  scans from zeros everywhere."""
-
-  def temp(accum_dtype=jnp.float32):
-    return temp_bytes(compile_small_donated_step(accum_dtype)[2])
-
-  params, _, compiled = compile_small_donated_step()
-  on_cpu, bf16_on_cpu = temp_bytes(compiled), temp(jnp.bfloat16)
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  on_accelerator = temp()
-  assert on_accelerator <= on_cpu - nbytes(params) + 4096, (on_accelerator, on_cpu)
-  assert temp(jnp.bfloat16) == bf16_on_cpu
+  *_, bf16 = compile_small_donated_step(jnp.bfloat16)
+  assert state_copies(bf16, in_loops=True) == []
+  assert temp_bytes(bf16) <= temp_bytes(floor) + 4096, (temp_bytes(bf16), temp_bytes(floor))
 
 
 def count_whiles(lowered):
   return lowered.as_text().count("stablehlo.while")
 
 
-@pytest.mark.parametrize("limit", [ga_train_step.GPU_SELECT_MAX_BYTES, 0], ids=["small", "large"])
-def test_on_a_gpu_a_small_state_is_selected_not_looped(limit, monkeypatch):
-  """XLA:GPU waits for the device before each trip of a loop whose trip count it does not
-  know, so on a GPU the donated fused step selects for params and optimizer state under
-  GPU_SELECT_MAX_BYTES: only its scan's loop is left. A larger state (the limit set to 0
-  here), a TPU and the CPU loop, in place. tx.update and ga.micro_step keep their loop on
-  every backend, so that the inner optimizer runs once per window. Counted in the lowered
-  programs: the scans and the loops of 0 or 1 trips are their only while loops; the CPU's
-  fused step also merges a window left open in one."""
+def test_every_mode_closes_the_window_in_a_loop_of_0_or_1_trips():
+  """The donated fused step voids a bad window with a loop of 0 or 1 trips (in place), as
+  tx.update and ga.micro_step close theirs, on every backend: the inner optimizer runs once
+  per window. Counted in the lowered programs: the scan and the loops of 0 or 1 trips are
+  their only while loops (the fused step's: the scan and the update)."""
   params = init_mlp(jax.random.key(0), (64, 128, 8))
   k = 4
   tx = ga.accumulate(optax.adam(1e-3), k)
@@ -358,45 +318,26 @@ def test_on_a_gpu_a_small_state_is_selected_not_looped(limit, monkeypatch):
   batch = make_batch(jax.random.key(1), 8 * k, d_in=64, num_classes=8)
   mb = ga.microbatch(batch, 0, k)
 
-  def whiles():  # new functions each time: jit caches a function's trace
-    def streaming(p, s, mb):
-      updates, s = tx.update(jax.grad(xent_loss)(p, mb), s, p)
-      return optax.apply_updates(p, updates), s
+  def streaming(p, s, mb):
+    updates, s = tx.update(jax.grad(xent_loss)(p, mb), s, p)
+    return optax.apply_updates(p, updates), s
 
-    micro = ga.micro_step(xent_loss, tx, donate=True)
-    return (
-      count_whiles(ga.train_step(xent_loss, tx, donate=True).lower(params, state, batch)),
-      count_whiles(jax.jit(streaming, donate_argnums=(0, 1)).lower(params, state, mb)),
-      count_whiles(micro.lower(params, micro.init(params), mb)),
-    )
-
-  on_cpu = whiles()
-  monkeypatch.setattr(ga_train_step, "GPU_SELECT_MAX_BYTES", limit)
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  on_tpu = whiles()
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  on_gpu = whiles()
-  # The CPU scans from zeros and merges an open window in a loop; accelerators scan into the
-  # state and need no merge.
-  assert on_cpu == (3, 1, 2) and on_tpu == (2, 1, 2)
-  assert on_gpu == ((1, 1, 2) if limit else on_tpu)
+  micro = ga.micro_step(xent_loss, tx, donate=True)
+  assert count_whiles(ga.train_step(xent_loss, tx, donate=True).lower(params, state, batch)) == 2
+  assert count_whiles(jax.jit(streaming, donate_argnums=(0, 1)).lower(params, state, mb)) == 1
+  assert count_whiles(micro.lower(params, micro.init(params), mb)) == 2
 
 
 def nan_batch(batch):
   return {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)}
 
 
-@pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
 @pytest.mark.parametrize("open_window", [False, True], ids=["closed", "open"])
-def test_donated_and_undonated_steps_agree_on_voided_good_and_open_windows(
-  open_window, backend, monkeypatch
-):
+def test_donated_and_undonated_steps_agree_on_voided_good_and_open_windows(open_window):
   """The donated step updates in place (a loop of 0 or 1 trips), the undonated one selects:
   a voided window leaves params and inner state exactly as they were in both, a good window
-  gives the same result, and a window left open by streaming calls is merged by both. Every
-  donated program: the CPU's (the scan from zeros), a TPU's (into the state's accumulator,
-  whose sums are cleared after the update) and a GPU's (this small state selected)."""
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  gives the same result, and a window left open by streaming calls is merged by both (the
+  scan starts from the state's accumulator, whose sums are cleared after the update)."""
   k = 4
   tx = ga.accumulate(optax.adam(1e-2), k)
   params = init_mlp(jax.random.key(0))

@@ -1,0 +1,204 @@
+"""Compiled memory of one window against the floor: ga.train_step beside a minimal scan.
+
+For each model and k, every program is lowered and compiled on shapes (nothing runs) and its
+peak is read from ``compiled.memory_analysis()``: arguments + outputs - aliased + temp, the
+bytes a call holds (deterministic). Programs, each on a batch of k micro-batches of b rows:
+
+  min_scan            a hand-written lax.scan of the micro-batch gradients from zeros, their
+                      mean, one inner update (params and state donated): the floor
+  min_scan_undonated  the same, not donated
+  ga                  ga.train_step(..., donate=True)
+  ga_undonated        ga.train_step(...)
+  microbatching       optax.microbatching.microbatch(jax.grad(loss)) then the update, donated
+  multisteps_call     one donated call of optax.MultiSteps (a window is k such calls)
+
+A is one float32 copy of the params. The targets (tests/test_memory.py asserts them):
+ga <= min_scan + 0.05 A and ga_undonated <= min_scan_undonated + 2.05 A, for every k.
+
+  python benchmarks/memory_floor.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:
+  import gradaccum_jax as ga
+except ModuleNotFoundError:  # run from a source tree without installing
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  import gradaccum_jax as ga
+import transformer  # noqa: E402  (benchmarks/transformer.py: the LM)
+
+MIB = 2**20
+KS = (2, 4, 8, 16, 32)
+
+
+def mlp_model(sizes=(784, 1024, 1024, 10), b=32):
+  """``(params, loss_fn, microbatch)`` shapes of an MLP with softmax cross-entropy."""
+  params = [
+    {"w": jax.ShapeDtypeStruct((m, n), jnp.float32), "b": jax.ShapeDtypeStruct((n,), jnp.float32)}
+    for m, n in zip(sizes[:-1], sizes[1:], strict=True)
+  ]
+
+  def loss_fn(p, mb):
+    h = mb["x"]
+    for layer in p[:-1]:
+      h = jax.nn.relu(h @ layer["w"] + layer["b"])
+    logits = h @ p[-1]["w"] + p[-1]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+  micro = {
+    "x": jax.ShapeDtypeStruct((b, sizes[0]), jnp.float32),
+    "y": jax.ShapeDtypeStruct((b,), jnp.int32),
+  }
+  return params, loss_fn, micro
+
+
+LM = transformer.Config(d=256, heads=4, layers=4, seq=128, vocab=4096, b=4, k=4, rounds=1,
+                        reps=1, dtype="float32")  # fmt: skip
+
+
+def lm_model(c: transformer.Config = LM):
+  """``(params, loss_fn, microbatch)`` shapes of benchmarks/transformer.py's decoder LM."""
+  params = jax.eval_shape(lambda: transformer.init(jax.random.key(0), c))
+  micro = {"tokens": jax.ShapeDtypeStruct((c.b, c.seq + 1), jnp.int32)}
+  return params, transformer.make_loss(c), micro
+
+
+MODELS = {"mlp": mlp_model, "lm": lm_model}
+
+
+def min_scan(loss_fn, inner, k):
+  """The floor: the micro-batch gradients scanned from zeros, their mean, one update."""
+
+  def step(params, state, batch):
+    def body(acc, i):
+      mb = ga.microbatch(batch, i, k)
+      return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(params, mb)), None
+
+    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
+    updates, state = inner.update(jax.tree.map(lambda a: a / k, acc), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def microbatching(loss_fn, inner, k):
+  def step(params, state, batch):
+    b = jax.tree.leaves(batch)[0].shape[0] // k
+    grad = optax.microbatching.microbatch(
+      jax.grad(loss_fn), argnums=1, microbatch_size=b,
+      accumulator=optax.microbatching.AccumulationType.MEAN,
+    )(params, batch)  # fmt: skip
+    updates, state = inner.update(grad, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def multisteps_call(loss_fn, ms):
+  def step(params, state, mb):
+    updates, state = ms.update(jax.grad(loss_fn)(params, mb), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  return int(
+    m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+  )  # fmt: skip
+
+
+def window_bytes(model: str, k: int, inner=None) -> dict[str, int]:
+  """Peak bytes of every program above for ``model`` at ``k``, and ``"A"``."""
+  params, loss_fn, micro = MODELS[model]()
+  inner = inner or optax.adam(1e-3)
+  batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((k * s.shape[0],) + s.shape[1:], s.dtype), micro)
+  tx = ga.accumulate(inner, k)
+  ms = optax.MultiSteps(inner, every_k_schedule=k)
+  state, ga_state = jax.eval_shape(inner.init, params), jax.eval_shape(tx.init, params)
+  donated = functools.partial(jax.jit, donate_argnums=(0, 1))
+  out = {"A": sum(x.size * 4 for x in jax.tree.leaves(params))}
+  out["min_scan"] = peak(donated(min_scan(loss_fn, inner, k)).lower(params, state, batch).compile())
+  out["min_scan_undonated"] = peak(
+    jax.jit(min_scan(loss_fn, inner, k)).lower(params, state, batch).compile()
+  )
+  for name, donate in (("ga", True), ("ga_undonated", False)):
+    step = ga.train_step(loss_fn, tx, donate=donate)
+    out[name] = peak(step.lower(params, ga_state, batch, num_real_microbatches=None).compile())
+  out["microbatching"] = peak(
+    donated(microbatching(loss_fn, inner, k)).lower(params, state, batch).compile()
+  )
+  ms_state = jax.eval_shape(ms.init, params)
+  out["multisteps_call"] = peak(
+    donated(multisteps_call(loss_fn, ms)).lower(params, ms_state, micro).compile()
+  )
+  return out
+
+
+def excess(row: dict[str, int]) -> dict[str, float]:
+  """ga's peak over the floor's, in A: donated and undonated."""
+  return {
+    "ga": (row["ga"] - row["min_scan"]) / row["A"],
+    "ga_undonated": (row["ga_undonated"] - row["min_scan_undonated"]) / row["A"],
+  }
+
+
+def report(rows: dict[str, dict[int, dict[str, int]]]) -> str:
+  names = ["min_scan", "ga", "min_scan_undonated", "ga_undonated", "microbatching",
+           "multisteps_call"]  # fmt: skip
+  lines = [
+    "| model | k | A MiB | " + " | ".join(names) + " | ga - min_scan (A) | undonated (A) |",
+    "|---" * (len(names) + 5) + "|",
+  ]
+  for model, by_k in rows.items():
+    for k, row in by_k.items():
+      ex = excess(row)
+      cells = " | ".join(f"{row[n] / MIB:.2f}" for n in names)
+      lines.append(
+        f"| {model} | {k} | {row['A'] / MIB:.2f} | {cells} | {ex['ga']:+.3f} |"
+        f" {ex['ga_undonated']:+.3f} |"
+      )
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=None, help="folder for memory_floor.json and .md")
+  ap.add_argument("--ks", default=",".join(map(str, KS)))
+  args = ap.parse_args(argv)
+  ks = [int(k) for k in args.ks.split(",")]
+  rows = {model: {k: window_bytes(model, k) for k in ks} for model in MODELS}
+  meta = {
+    "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
+    "python": platform.python_version(), "inner": "adam",
+  }  # fmt: skip
+  md = (
+    f"Peak bytes per call in MiB (compiled.memory_analysis(): arguments + outputs - aliased +"
+    f" temp), adam; MLP 784-1024-1024-10 at b = 32, LM d {LM.d}, {LM.layers} blocks,"
+    f" {LM.seq} tokens at b = {LM.b}. jax {meta['jax']}, optax {meta['optax']},"
+    f" {meta['backend']}.\n\n" + report(rows) + "\n"
+  )
+  print(md)
+  if args.out:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory_floor.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "memory_floor.md").write_text(md)
+
+
+if __name__ == "__main__":
+  main()
