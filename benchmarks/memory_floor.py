@@ -15,6 +15,12 @@ bytes a call holds (deterministic). Programs, each on a batch of k micro-batches
 A is one float32 copy of the params. The targets (tests/test_memory.py asserts them):
 ga <= min_scan + 0.05 A and ga_undonated <= min_scan_undonated + 2.05 A, for every k.
 
+On a mesh of 8 (CPU) devices, per device, the MLP replicated and FSDP (every matrix sharded
+on its first dimension): ``mesh_min_scan`` is the hand-written floor under ``jax.shard_map``
+(params cast to device-varying, the scan from zeros, one reduction after it; FSDP: the
+params gathered once before the scan and the gradients reduce-scattered after it, or
+gathered and reduce-scattered per micro-batch into a sharded accumulator), donated.
+
   python benchmarks/memory_floor.py --out benchmarks/results
 """
 
@@ -23,11 +29,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import optax
 
@@ -149,6 +162,107 @@ def window_bytes(model: str, k: int, inner=None) -> dict[str, int]:
   return out
 
 
+LAYOUTS = ("replicated", "fsdp_once", "fsdp_per_microbatch")
+
+
+def _fsdp_specs(params):
+  return jax.tree.map(lambda x: P("data") if x.ndim == 2 else P(), params)
+
+
+def mesh_min_scan(loss_fn, inner, k, mesh, specs, per_microbatch):
+  """The floor on a 1-D ``"data"`` mesh: see the module's docstring."""
+  n = mesh.shape["data"]
+
+  def gather(x, spec):
+    return jax.lax.all_gather(x, "data", axis=0, tiled=True) if spec != P() else x
+
+  def scatter(g, spec):
+    return jax.lax.psum_scatter(g, "data", scatter_dimension=0, tiled=True) if spec != P() else g
+
+  def vary(x):  # a gathered shard may be varying already
+    try:
+      return jax.lax.pcast(x, "data", to="varying")
+    except ValueError:
+      return x
+
+  def per_device(params, batch):
+    if not per_microbatch:
+      params = jax.tree.map(gather, params, specs)
+    params = jax.tree.map(vary, params)
+
+    def body(acc, i):
+      p = params
+      if per_microbatch:  # tied to the trip, so that XLA does not hoist the gathers
+        p, _ = jax.lax.optimization_barrier((p, i))
+        p = jax.tree.map(gather, p, specs)
+      g = jax.grad(loss_fn)(p, ga.microbatch(batch, i, k))
+      if per_microbatch:
+        g = jax.tree.map(scatter, g, specs)
+      return jax.tree.map(jnp.add, acc, g), None
+
+    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
+    if per_microbatch:
+      acc = jax.tree.map(lambda a, s: a if s != P() else jax.lax.psum(a, "data"), acc, specs)
+    else:
+      acc = jax.tree.map(
+        lambda a, s: scatter(a, s) if s != P() else jax.lax.psum(a, "data"), acc, specs
+      )
+    return jax.tree.map(lambda a: a / (k * n), acc)
+
+  def step(params, state, batch):
+    grads = jax.shard_map(
+      per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs
+    )(params, batch)
+    updates, state = inner.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def mesh_window_bytes(layout: str, k: int, inner=None) -> dict[str, int]:
+  """Per-device peak bytes of ``mesh_min_scan`` and ga.train_step (donated and not) on 8
+  devices, for the MLP in ``layout``; ``"A"``: one float32 copy of the params per device."""
+  # Explicit, so that eval_shape's state carries the params' shardings in its types.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params, loss_fn, micro = mlp_model(b=32)
+  specs = jax.tree.map(lambda x: P(), params) if layout == "replicated" else _fsdp_specs(params)
+  placed = lambda tree, spec: jax.tree.map(  # noqa: E731
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), tree, spec
+  )
+  params = placed(params, specs)
+  inner = inner or optax.adam(1e-3)
+  tx = ga.accumulate(inner, k)
+  batch = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(
+      (8 * k * s.shape[0],) + s.shape[1:], s.dtype, sharding=NamedSharding(mesh, P("data"))
+    ),
+    micro,
+  )
+  like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, P() if x.sharding is None else x.sharding.spec)
+    ),
+    tree,
+  )
+  state, ga_state = like(jax.eval_shape(inner.init, params)), like(jax.eval_shape(tx.init, params))
+  per_mb = layout == "fsdp_per_microbatch"
+  floor = mesh_min_scan(loss_fn, inner, k, mesh, specs, per_mb)
+  out = {
+    "A": sum(x.size * 4 // (1 if s == P() else 8)
+             for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True)),
+    "mesh_min_scan": peak(
+      jax.jit(floor, donate_argnums=(0, 1)).lower(params, state, batch).compile()
+    ),
+  }  # fmt: skip
+  for name, donate in (("ga", True), ("ga_undonated", False)):
+    step = ga.train_step(
+      loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs,
+      gather_params="per_microbatch" if per_mb else "once", donate=donate,
+    )  # fmt: skip
+    out[name] = peak(step.lower(params, ga_state, batch, num_real_microbatches=None).compile())
+  return out
+
+
 def excess(row: dict[str, int]) -> dict[str, float]:
   """ga's peak over the floor's, in A: donated and undonated."""
   return {
@@ -175,6 +289,21 @@ def report(rows: dict[str, dict[int, dict[str, int]]]) -> str:
   return "\n".join(lines)
 
 
+def mesh_report(rows) -> str:
+  lines = [
+    "| layout | k | A MiB | mesh_min_scan | ga | ga - floor (A) | ga_undonated |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for layout, by_k in rows.items():
+    for k, r in by_k.items():
+      lines.append(
+        f"| {layout} | {k} | {r['A'] / MIB:.2f} | {r['mesh_min_scan'] / MIB:.2f} |"
+        f" {r['ga'] / MIB:.2f} | {(r['ga'] - r['mesh_min_scan']) / r['A']:+.3f} |"
+        f" {r['ga_undonated'] / MIB:.2f} |"
+      )
+  return "\n".join(lines)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=None, help="folder for memory_floor.json and .md")
@@ -182,6 +311,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   ks = [int(k) for k in args.ks.split(",")]
   rows = {model: {k: window_bytes(model, k) for k in ks} for model in MODELS}
+  mesh_rows = {layout: {k: mesh_window_bytes(layout, k) for k in ks} for layout in LAYOUTS}
   meta = {
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "python": platform.python_version(), "inner": "adam",
@@ -190,13 +320,15 @@ def main(argv=None):
     f"Peak bytes per call in MiB (compiled.memory_analysis(): arguments + outputs - aliased +"
     f" temp), adam; MLP 784-1024-1024-10 at b = 32, LM d {LM.d}, {LM.layers} blocks,"
     f" {LM.seq} tokens at b = {LM.b}. jax {meta['jax']}, optax {meta['optax']},"
-    f" {meta['backend']}.\n\n" + report(rows) + "\n"
+    f" {meta['backend']}.\n\n" + report(rows) + "\n\nOn 8 devices, per device (MiB), the MLP:"
+    " A is one float32 copy of the params as a device stores them.\n\n" + mesh_report(mesh_rows)
+    + "\n"
   )
   print(md)
   if args.out:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "memory_floor.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "memory_floor.json").write_text(json.dumps({"meta": meta, "rows": rows, "mesh_rows": mesh_rows}, indent=2))
     (out / "memory_floor.md").write_text(md)
 
 

@@ -65,3 +65,44 @@ def test_every_name_on_the_architecture_page_exists():
     for part in dotted.split("."):
       assert hasattr(obj, part), f"{module}.{dotted}"
       obj = getattr(obj, part)
+
+
+def backend_reads(path):
+  """Where a module reads the backend or a device's platform outside an f-string (a message
+  may name them; nothing else may depend on them), and its module-level switches (an
+  upper-case name bound to True, False or None, read at trace time)."""
+  tree = ast.parse(path.read_text())
+  in_messages = {
+    id(n) for s in ast.walk(tree) if isinstance(s, ast.JoinedStr) for n in ast.walk(s)
+  }
+  found = []
+  for node in ast.walk(tree):
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+    if name in ("default_backend", "platform", "backend", "platforms") and id(node) not in in_messages:
+      found.append(f"{path.name}:{node.lineno} reads {name}")
+  for node in tree.body:
+    if isinstance(node, ast.Assign | ast.AnnAssign):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      value = node.value
+      if isinstance(value, ast.Constant) and value.value in (True, False, None):
+        found += [
+          f"{path.name}:{node.lineno} switch {t.id}"
+          for t in targets
+          if isinstance(t, ast.Name) and t.id.isupper()
+        ]
+  return found
+
+
+def test_no_backend_platform_or_module_switch_decides_a_program(tmp_path):
+  """One program per set of user arguments on every backend: no module of the package reads
+  jax.default_backend(), a device's platform or a module-level switch but to name it in a
+  message, so the program the CPU tests compile is the one a GPU or TPU runs."""
+  found = [f for path in sorted(PACKAGE.glob("*.py")) for f in backend_reads(path)]
+  assert found == []
+  # The check itself finds each kind (it could not pass by looking at nothing).
+  probe = tmp_path / "probe.py"
+  probe.write_text(
+    "import jax\nSWITCH: bool | None = None\n"
+    "def f(d):\n  return jax.default_backend() == 'gpu' or d.platform == 'tpu'\n"
+  )
+  assert len(backend_reads(probe)) == 3
