@@ -376,8 +376,7 @@ class _Accumulator:
     runs in a loop of 0 or 1 trips, which writes the new params and inner state over the old
     ones. Selects between new and old values (the default, best without donation, where the
     results go to new buffers anyway) keep the old values alive while the new ones are
-    written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``); the
-    fused step still selects on a GPU for a small state (``_train_step.selects_on_gpu``).
+    written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
 
     ``norm_by_rows``: the norm sums each matrix by rows first (:func:`sq_norm`), for a step
     whose arrays are not sharded over a mesh.
@@ -552,10 +551,24 @@ def run_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> 
   """
 
   def body(c):
-    return jnp.zeros((), bool), fn(c[1])
+    return jnp.zeros((), bool), _with_types_of(fn(c[1]), c[1])
 
   out = jax.lax.while_loop(lambda c: c[0], body, (pred, carry))
   return out if with_done else out[1]
+
+
+def _with_types_of(tree: Any, like: Any) -> Any:
+  """``tree`` resharded where a leaf's sharding type differs from ``like``'s (on an explicit
+  mesh, a loop's carry must keep its type: an inner state laid out replicated, updated from
+  gradients sharded like the params, comes out sharded)."""
+
+  def cast(x, ref):
+    want = getattr(jax.typeof(ref), "sharding", None)
+    if want is None or getattr(jax.typeof(x), "sharding", None) == want:
+      return x
+    return jax.reshard(x, want)
+
+  return jax.tree.map(cast, tree, like)
 
 
 _UNWEIGHTED = Weighting(None)

@@ -134,7 +134,7 @@ def train_step(
 
   - replicated params (``param_specs=None``): every device holds the params,
     the optimizer state, the fp32 accumulator of ``state`` and one full
-    local accumulator during the window (with ``donate`` on an accelerator the
+    local accumulator during the window (with ``donate`` the
     scan adds into the state's, so there is one); one all-reduce of ``P`` (ring: about
     ``2P`` bytes sent per device) per window, against ``k`` for a plain
     ``jit`` of a scan (GSPMD reduces inside the loop) or for PyTorch DDP
@@ -155,7 +155,7 @@ def train_step(
     is full-size params and accumulator during the window for ``k`` times
     less communication (``gather_params="once"``).
   - ``gather_params="per_microbatch"``: params, optimizer state and the
-    local accumulator (with ``donate`` on an accelerator, the state's own)
+    local accumulator (with ``donate``, the state's own)
     stay ``1/D`` per device through the window; every
     micro-batch all-gathers the params inside the loop and reduce-scatters
     its gradient into the sharded accumulator: ``k`` times ``P`` gathered

@@ -637,3 +637,23 @@ def test_nnx_step_with_auto_gathering_matches_the_device_group_reference():
   new_rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
   assert_trees_close(keys_as_data(new_rest), keys_as_data(ref_rest))
   np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gather", ["once", "per_microbatch"])
+def test_a_donated_fsdp_step_takes_a_state_laid_out_otherwise_than_the_params(gather):
+  """On an explicit mesh the state may be laid out replicated while the params are sharded
+  (``tx.init`` of host params, then placed): the inner update comes out sharded like the
+  gradients, and the donated step's loop of 0 or 1 trips keeps its carry's types (on jax 0.12
+  this was a while_loop carry-type TypeError). The update equals the big-batch step's."""
+  mesh, k = mesh_1d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(D * k * 2)
+  expected, _ = plain_steps(xent_loss, optax.adam(1e-2), params, [batch])
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  state = put(tx.init(params), mesh, P())
+  step = ga.train_step(
+    xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params=gather, donate=True
+  )
+  got, state, metrics = step(put(params, mesh, FSDP), state, put(batch, mesh, P("data")))
+  assert bool(metrics["updated"])
+  assert_trees_close(got, expected)

@@ -41,10 +41,11 @@ def test_on_a_mesh_each_device_holds_what_the_hand_written_shard_map_scan_holds(
   sharded accumulator): donated, the same within 0.05 A where a device's accumulator in the
   scan is its share of the state's (replicated; per micro-batch). Gathered once, the scan
   sums each whole gradient in a buffer of its own while the state keeps its 1/D shard (a
-  window left open by streaming calls lives there): one device-A more, no other."""
+  window left open by streaming calls lives there): one device-A more, no other. Undonated,
+  within 2.05 A of the undonated floor (the state's accumulator in and out)."""
   for k in (2, 8):
     row = memory_floor.mesh_window_bytes(layout, k)
     a = row["A"]
     extra = a if layout == "fsdp_once" else 0
     assert row["ga"] <= row["mesh_min_scan"] + extra + 0.05 * a, (k, row)
-    assert row["ga"] < row["ga_undonated"], (k, row)
+    assert row["ga_undonated"] <= row["mesh_min_scan_undonated"] + 2.05 * a, (k, row)
