@@ -322,6 +322,7 @@ def main(argv=None):
     "python": platform.python_version(), "inner": "adam",
   }  # fmt: skip
   md = (
+    "# Compiled memory against the floor\n\n"
     f"Peak bytes per call in MiB (compiled.memory_analysis(): arguments + outputs - aliased +"
     f" temp), adam; MLP 784-1024-1024-10 at b = 32, LM d {LM.d}, {LM.layers} blocks,"
     f" {LM.seq} tokens at b = {LM.b}. jax {meta['jax']}, optax {meta['optax']},"

@@ -564,7 +564,10 @@ def _with_types_of(tree: Any, like: Any) -> Any:
 
   def cast(x, ref):
     want = getattr(jax.typeof(ref), "sharding", None)
-    if want is None or getattr(jax.typeof(x), "sharding", None) == want:
+    axis_types = getattr(getattr(want, "mesh", None), "axis_types", ())
+    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+      return x  # no sharding in the types
+    if jax.typeof(x).sharding.spec == want.spec:
       return x
     return jax.reshard(x, want)
 
