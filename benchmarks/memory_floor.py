@@ -266,6 +266,57 @@ def mesh_window_bytes(layout: str, k: int, inner=None) -> dict[str, int]:
   return out
 
 
+STREAMING_INNERS = {"adam": lambda: optax.adam(1e-3), "sgd": lambda: optax.sgd(1e-3)}
+
+
+def streaming_bytes(model: str, inner_name: str, k: int = 8) -> dict[str, int]:
+  """Peak bytes of one call per micro-batch, each donated and not (``_undonated``): ``plain``
+  (``jax.grad`` + the inner update, the floor), ``stream`` (``jax.grad`` + ``tx.update``),
+  ``micro`` (``ga.micro_step``) and ``multisteps`` (``optax.MultiSteps``); and ``"A"``."""
+  params, loss_fn, micro = MODELS[model]()
+  inner = STREAMING_INNERS[inner_name]()
+  tx, ms = ga.accumulate(inner, k), optax.MultiSteps(inner, every_k_schedule=k)
+
+  def with_update(update):
+    def step(p, s, mb):
+      updates, s = update(jax.grad(loss_fn)(p, mb), s, p)
+      return optax.apply_updates(p, updates), s
+
+    return step
+
+  calls = {
+    "plain": (with_update(inner.update), inner.init),
+    "stream": (with_update(tx.update), tx.init),
+    "multisteps": (multisteps_call(loss_fn, ms), ms.init),
+  }
+  out = {"A": sum(x.size * 4 for x in jax.tree.leaves(params))}
+  for donate in (True, False):
+    tag = "" if donate else "_undonated"
+    for name, (fn, init) in calls.items():
+      jitted = jax.jit(fn, donate_argnums=(0, 1) if donate else ())
+      out[name + tag] = peak(jitted.lower(params, jax.eval_shape(init, params), micro).compile())
+    step = ga.micro_step(loss_fn, tx, donate=donate)
+    out["micro" + tag] = peak(step.lower(params, jax.eval_shape(step.init, params), micro).compile())
+  return out
+
+
+def streaming_report(rows) -> str:
+  names = ("stream", "micro", "multisteps")
+  lines = [
+    "| model | inner | A MiB | plain | " + " | ".join(names) + " | "
+    + " | ".join(f"{n} undonated" for n in ("plain", *names)) + " |",
+    "|---" * 11 + "|",
+  ]  # fmt: skip
+  for (model, inner), r in rows.items():
+    over = lambda n: f"+{(r[n] - r['plain']) / r['A']:.2f} A"  # noqa: E731
+    lines.append(
+      f"| {model} | {inner} | {r['A'] / MIB:.2f} | {r['plain'] / MIB:.2f} MiB | "
+      + " | ".join(over(n) for n in names) + " | "
+      + " | ".join(over(n + "_undonated") for n in ("plain", *names)) + " |"
+    )  # fmt: skip
+  return "\n".join(lines)
+
+
 def excess(row: dict[str, int]) -> dict[str, float]:
   """ga's peak over the floor's, in A: donated and undonated."""
   return {
@@ -317,6 +368,7 @@ def main(argv=None):
   ks = [int(k) for k in args.ks.split(",")]
   rows = {model: {k: window_bytes(model, k) for k in ks} for model in MODELS}
   mesh_rows = {layout: {k: mesh_window_bytes(layout, k) for k in ks} for layout in LAYOUTS}
+  stream_rows = {(m, i): streaming_bytes(m, i) for m in MODELS for i in STREAMING_INNERS}
   meta = {
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "python": platform.python_version(), "inner": "adam",
@@ -328,13 +380,18 @@ def main(argv=None):
     f" {LM.seq} tokens at b = {LM.b}. jax {meta['jax']}, optax {meta['optax']},"
     f" {meta['backend']}.\n\n" + report(rows) + "\n\nOn 8 devices, per device (MiB), the MLP:"
     " A is one float32 copy of the params as a device stores them.\n\n" + mesh_report(mesh_rows)
-    + "\n"
+    + "\n\n## Streaming: one call per micro-batch, k = 8\n\nPeak of one call above the"
+    " donated plain micro-batch step's (jax.grad + the inner update), in A.\n\n"
+    + streaming_report(stream_rows) + "\n"
   )
   print(md)
   if args.out:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "memory_floor.json").write_text(json.dumps({"meta": meta, "rows": rows, "mesh_rows": mesh_rows}, indent=2))
+    (out / "memory_floor.json").write_text(json.dumps(
+      {"meta": meta, "rows": rows, "mesh_rows": mesh_rows,
+       "stream_rows": {f"{m}/{i}": r for (m, i), r in stream_rows.items()}}, indent=2,
+    ))
     (out / "memory_floor.md").write_text(md)
 
 

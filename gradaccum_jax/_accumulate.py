@@ -359,6 +359,7 @@ class _Accumulator:
     apply: bool = False,
     in_place: bool = False,
     norm_by_rows: bool = False,
+    branch: bool = False,
   ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
@@ -377,6 +378,13 @@ class _Accumulator:
     ones. Selects between new and old values (the default, best without donation, where the
     results go to new buffers anyway) keep the old values alive while the new ones are
     written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
+
+    ``branch`` (streaming calls, which close inside a ``lax.cond``): a voided window is
+    decided by a ``lax.cond`` too, whose kept branch passes params and inner state through:
+    reverse-differentiable, and no select keeps the old inner state beside the new. The new
+    state's ``acc_grads`` is then ``acc_grads`` itself, for the caller to clear after its
+    ``lax.cond`` (:func:`clear_after`): a branch that only reads the accumulator lets XLA keep
+    it in the state's buffer, where writing its zeros there would make it copy the sums.
 
     ``norm_by_rows``: the norm sums each matrix by rows first (:func:`sq_norm`), for a step
     whose arrays are not sharded over a mesh.
@@ -408,6 +416,24 @@ class _Accumulator:
       # Zeros (``done`` is False), written once the update has read the sums: a caller that
       # scanned into a donated accumulator gets them in its buffer, not a copy of it.
       cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
+    elif branch:
+
+      def run(carry):
+        p, inner = carry
+        updates, inner = self._inner_update(mean_fn(), inner, p, extra_args)
+        if apply:
+          updates = jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates)
+        return updates, inner
+
+      def keep(carry):
+        p, inner = carry
+        if apply:
+          return p, inner
+        shapes = jax.eval_shape(run, carry)[0]
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
+
+      updates, inner_state = jax.lax.cond(ok, run, keep, (params, state.inner_state))
+      cleared = acc_grads
     else:
       cleared = jax.tree.map(jnp.zeros_like, acc_grads)
       updates, inner_state = self._inner_update(mean_fn(), state.inner_state, params, extra_args)
@@ -436,10 +462,9 @@ class _Accumulator:
   def _closer(self, params, grad_like, extra_args):
     """``close((updates, state)) -> (updates, state)`` on the state's open window."""
 
-    def close(carry):
-      _, state = carry
+    def close(state):
       acc, weight = state.acc_grads, state.acc_weight
-      return self.close(acc, weight, state, params, grad_like, extra_args)[:2]
+      return self.close(acc, weight, state, params, grad_like, extra_args, branch=True)[:2]
 
     return close
 
@@ -514,10 +539,9 @@ class _Accumulator:
 
     k = self.num_microbatches
     if isinstance(k, int) and k == 1:
-      return close((None, held))
-    return run_if(
-      micro_step >= self.window_size(state.count), close, _with_zero_updates(close, held)
-    )
+      return clear_after(jnp.ones((), bool), *close(held))
+    closes = micro_step >= self.window_size(state.count)
+    return clear_after(*jax.lax.cond(closes, _flagged(close, True), _holder(close), held))
 
   def flush(
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
@@ -529,13 +553,34 @@ class _Accumulator:
     close = self._closer(params, grad_like, extra_args)
 
     held = state._replace(updated=jnp.zeros((), bool))
-    return run_if(state.micro_step > 0, close, _with_zero_updates(close, held))
+    closes = state.micro_step > 0
+    return clear_after(*jax.lax.cond(closes, _flagged(close, True), _holder(close), held))
 
 
-def _with_zero_updates(close: Any, state: AccumulateState) -> tuple[Updates, AccumulateState]:
-  """``(zero updates shaped as close's, state)``: what a call that does not close returns."""
-  shape = jax.eval_shape(close, (None, state))[0]
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), state
+def clear_after(closed: Any, updates: Updates, state: AccumulateState) -> tuple[Any, Any]:
+  """``(updates, state)`` with the accumulator zeroed where a window ``closed``: a select
+  after the ``lax.cond`` that read it, written in place over the sums. ``closed`` comes out
+  of the ``lax.cond`` (:func:`_flagged`): a predicate XLA knew before it would let it hoist
+  the select above the branch, which then reads a copy of the sums."""
+  acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
+  return updates, state._replace(acc_grads=acc)
+
+
+def _holder(close: Any) -> Any:
+  """The other branch of ``lax.cond(closes, close, ...)``: zero updates shaped as ``close``'s,
+  the state passed through (a ``lax.cond``, so that the call is reverse-differentiable; with
+  the state donated XLA passes it through in place)."""
+
+  def hold(state: AccumulateState) -> tuple[Any, Updates, AccumulateState]:
+    shape = jax.eval_shape(close, state)[0]
+    return jnp.zeros((), bool), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), state
+
+  return hold
+
+
+def _flagged(fn: Any, flag: bool) -> Any:
+  """``fn`` returning ``(flag, *fn(...))``: a branch of a ``lax.cond`` that says it ran."""
+  return lambda *args: (jnp.asarray(flag), *fn(*args))
 
 
 def run_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:

@@ -271,16 +271,28 @@ class MicroStep:
     )
     state = _with_partials(state, partial, noise)
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
-    # Held unless the window closes: a loop of 0 or 1 trips updates the state in place, where
-    # the pass-through branch of a lax.cond would copy all of it (the inner optimizer's state
-    # included) on every call.
-    held = self._hold(params, new_model_state, state)
+    # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
+    # only read the partial sums; they are cleared after it, in place (see clear_after).
+    # The branches return updates, applied after the lax.cond, as tx.update's are: a branch
+    # that passed the params through would make XLA copy the inner state.
+    def close(new_model_state, state):
+      state = self._hold(params, new_model_state, state)[2]
+      return (jnp.ones((), bool), *self._close(params, new_model_state, model_state, state))
 
-    def close(carry):
-      params, new_model_state, state, _ = carry
-      return self._close(params, new_model_state, model_state, state)
+    def hold(new_model_state, state):
+      return (jnp.zeros((), bool), *self._hold(params, new_model_state, state))
 
-    return run_if(emit, close, held)
+    closed, updates, new_model_state, state, metrics = jax.lax.cond(
+      emit, close, hold, new_model_state, state
+    )
+    partial, noise = _partials(state)
+    empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), (partial, noise))
+    new_params = place_params(lay.dp, optax.apply_updates(params, updates))
+    # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
+    # copied adam's mu and nu in the branch that holds (2 A more; tests/test_program.py).
+    acc_state = state.accumulate
+    metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
+    return new_params, new_model_state, _with_partials(state, *empty), metrics
 
   def _add_local(self, params, mb, rng, partial, noise, model_state, scale):
     w = self._mg.local_sums(
@@ -383,17 +395,16 @@ class MicroStep:
     loss = safe_mean(totals.loss, totals.weight)
     aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    updates, new_acc = acc.close(totals.grads, totals.weight, acc_state, params, params, extra)[:2]
-    new_params = place_params(self._layout.dp, optax.apply_updates(params, updates))
-    empty = jax.tree.map(jnp.zeros_like, (partial, noise))
-    new_state = _with_partials(MicroStepState(new_acc, state.loss_sum, state.aux_sum), *empty)
+    updates, new_acc = acc.close(
+      totals.grads, totals.weight, acc_state, params, params, extra, branch=True
+    )[:2]
+    # The partial sums as they were: the caller clears them after its lax.cond.
+    new_state = _with_partials(MicroStepState(new_acc, state.loss_sum, state.aux_sum), partial, noise)
     scale = 1.0 if acc_state.loss_scale is None else acc_state.loss_scale.scale
     metrics = {
       "loss": loss,
       "grad_norm": safe_mean(optax.tree.norm(totals.grads), totals.weight * scale),
       "weight": totals.weight,
-      "updated": new_acc.updated,
-      "micro_step": new_acc.micro_step,
     }
     if opts.loss.has_aux:
       metrics["aux"] = aux
@@ -403,10 +414,10 @@ class MicroStep:
         new_model_state,
         model_state,
       )
-    return new_params, new_model_state, new_state, metrics
+    return updates, new_model_state, new_state, metrics
 
   def _hold(self, params, new_model_state, state):
-    """A call inside the window: the sums stay on their devices; metrics are NaN."""
+    """A call inside the window: zero updates, the sums stay on their devices; metrics NaN."""
     acc_state = state.accumulate
     new_acc = acc_state._replace(
       micro_step=optax.safe_increment(acc_state.micro_step), updated=jnp.zeros((), bool)
@@ -416,8 +427,6 @@ class MicroStep:
       "loss": nan,
       "grad_norm": nan,
       "weight": nan,
-      "updated": new_acc.updated,
-      "micro_step": new_acc.micro_step,
     }
     if self._opts.loss.has_aux:
       metrics["aux"] = jax.tree.map(
@@ -428,7 +437,8 @@ class MicroStep:
         ),
         state.aux_sum,
       )
-    return params, new_model_state, state._replace(accumulate=new_acc), metrics
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return zeros, new_model_state, state._replace(accumulate=new_acc), metrics
 
 
 def micro_step(

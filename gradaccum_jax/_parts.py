@@ -109,13 +109,15 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
   division with a select would be written out first).
   """
   ok = weight > 0
-  inv = jnp.where(ok, 1.0 / jnp.where(ok, weight, 1.0), 0.0).astype(jnp.float32)
-  unscale = jnp.float32(1) if scale is None else 1.0 / scale.astype(jnp.float32)
 
   def one(a):
     wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-    factor = unscale if is_running_mean(a) else inv * unscale
-    return wide * factor.astype(jnp.finfo(wide.dtype).dtype)  # float32 for complex64
+    real = jnp.finfo(wide.dtype).dtype  # float32 for complex64; float64 for a float64 sum
+    factor = jnp.ones((), real) if scale is None else 1 / scale.astype(real)
+    if not is_running_mean(a):  # 1 / weight in the sum's precision: exact means in float64
+      w = weight.astype(real)
+      factor = factor * jnp.where(ok, 1 / jnp.where(ok, w, 1), 0)
+    return wide * factor
 
   return jax.tree.map(one, acc)
 
