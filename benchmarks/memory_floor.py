@@ -35,14 +35,15 @@ import sys
 from pathlib import Path
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  )
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
@@ -139,7 +140,9 @@ def window_bytes(model: str, k: int, inner=None) -> dict[str, int]:
   """Peak bytes of every program above for ``model`` at ``k``, and ``"A"``."""
   params, loss_fn, micro = MODELS[model]()
   inner = inner or optax.adam(1e-3)
-  batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((k * s.shape[0],) + s.shape[1:], s.dtype), micro)
+  batch = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct((k * s.shape[0],) + s.shape[1:], s.dtype), micro
+  )
   tx = ga.accumulate(inner, k)
   ms = optax.MultiSteps(inner, every_k_schedule=k)
   state, ga_state = jax.eval_shape(inner.init, params), jax.eval_shape(tx.init, params)
@@ -210,9 +213,9 @@ def mesh_min_scan(loss_fn, inner, k, mesh, specs, per_microbatch):
     return jax.tree.map(lambda a: a / (k * n), acc)
 
   def step(params, state, batch):
-    grads = jax.shard_map(
-      per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs
-    )(params, batch)
+    grads = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs)(
+      params, batch
+    )
     updates, state = inner.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -296,7 +299,9 @@ def streaming_bytes(model: str, inner_name: str, k: int = 8) -> dict[str, int]:
       jitted = jax.jit(fn, donate_argnums=(0, 1) if donate else ())
       out[name + tag] = peak(jitted.lower(params, jax.eval_shape(init, params), micro).compile())
     step = ga.micro_step(loss_fn, tx, donate=donate)
-    out["micro" + tag] = peak(step.lower(params, jax.eval_shape(step.init, params), micro).compile())
+    out["micro" + tag] = peak(
+      step.lower(params, jax.eval_shape(step.init, params), micro).compile()
+    )
   return out
 
 
@@ -308,7 +313,7 @@ def streaming_report(rows) -> str:
     "|---" * 11 + "|",
   ]  # fmt: skip
   for (model, inner), r in rows.items():
-    over = lambda n: f"+{(r[n] - r['plain']) / r['A']:.2f} A"  # noqa: E731
+    over = lambda n, r=r: f"+{(r[n] - r['plain']) / r['A']:.2f} A"  # noqa: E731
     lines.append(
       f"| {model} | {inner} | {r['A'] / MIB:.2f} | {r['plain'] / MIB:.2f} MiB | "
       + " | ".join(over(n) for n in names) + " | "
@@ -379,19 +384,28 @@ def main(argv=None):
     f" temp), adam; MLP 784-1024-1024-10 at b = 32, LM d {LM.d}, {LM.layers} blocks,"
     f" {LM.seq} tokens at b = {LM.b}. jax {meta['jax']}, optax {meta['optax']},"
     f" {meta['backend']}.\n\n" + report(rows) + "\n\nOn 8 devices, per device (MiB), the MLP:"
-    " A is one float32 copy of the params as a device stores them.\n\n" + mesh_report(mesh_rows)
+    " A is one float32 copy of the params as a device stores them.\n\n"
+    + mesh_report(mesh_rows)
     + "\n\n## Streaming: one call per micro-batch, k = 8\n\nPeak of one call above the"
     " donated plain micro-batch step's (jax.grad + the inner update), in A.\n\n"
-    + streaming_report(stream_rows) + "\n"
+    + streaming_report(stream_rows)
+    + "\n"
   )
   print(md)
   if args.out:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "memory_floor.json").write_text(json.dumps(
-      {"meta": meta, "rows": rows, "mesh_rows": mesh_rows,
-       "stream_rows": {f"{m}/{i}": r for (m, i), r in stream_rows.items()}}, indent=2,
-    ))
+    (out / "memory_floor.json").write_text(
+      json.dumps(
+        {
+          "meta": meta,
+          "rows": rows,
+          "mesh_rows": mesh_rows,
+          "stream_rows": {f"{m}/{i}": r for (m, i), r in stream_rows.items()},
+        },
+        indent=2,
+      )
+    )
     (out / "memory_floor.md").write_text(md)
 
 

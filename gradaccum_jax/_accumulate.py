@@ -287,6 +287,31 @@ def accum_dtype_for(like: Any, accum_dtype: Any) -> Any:
   return accum_dtype
 
 
+def _on_the_params_mesh(state: Any, params: Params) -> Any:
+  """``state`` with every concrete array that is not on the params' mesh (the counters, the
+  inner optimizer's own ``count``) placed there, replicated: a checkpoint restored onto
+  ``tx.init(params)``'s shardings then finds every leaf on one set of devices."""
+  meshes = [
+    x.sharding.mesh
+    for x in jax.tree.leaves(params)
+    if isinstance(x, jax.Array)
+    and not isinstance(x, jax.core.Tracer)
+    and isinstance(x.sharding, jax.sharding.NamedSharding)
+  ]
+  if not meshes:
+    return state
+  replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+
+  def place(x):
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return x
+    if isinstance(x.sharding, jax.sharding.NamedSharding):
+      return x
+    return jax.device_put(x, replicated)
+
+  return jax.tree.map(place, state)
+
+
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
   """Zeros like ``params`` (shapes and shardings), in ``accum_dtype`` (the params' dtypes if
   None): an accumulator for sharded params is sharded like them, as optax's own state is."""
@@ -305,6 +330,9 @@ class _Accumulator:
   noise_scale_ema: float | None = None
 
   def init(self, params: Params) -> AccumulateState:
+    return _on_the_params_mesh(self._init(params), params)
+
+  def _init(self, params: Params) -> AccumulateState:
     return AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=jnp.zeros((), jnp.int32),
@@ -473,6 +501,13 @@ class _Accumulator:
     extra_args = {k: (mean if v is MEAN_GRADIENT else v) for k, v in extra_args.items()}
     try:
       return self.inner.update(mean, inner_state, params, **extra_args)
+    except ValueError as e:
+      if params is not None or "params" not in str(e):
+        raise
+      raise ValueError(
+        f"The inner optimizer of ga.accumulate needs the params ({e}). Pass them to every"
+        " call: tx.update(grads, state, params) (ga.flush(tx, state, params) too)."
+      ) from e
     except TypeError as e:
       if "value_fn" in str(e):
         raise TypeError(
@@ -482,10 +517,11 @@ class _Accumulator:
         ) from e
       if "'value'" in str(e) or "'grad'" in str(e):
         raise TypeError(
-          f"The inner optimizer needs extra arguments ({e}). ga.train_step passes the window's"
-          " mean loss as value= and its mean gradient as grad=; in streaming mode pass them to"
-          " the tx.update call that closes the window, e.g. tx.update(g, state, params,"
-          " value=window_mean_loss)."
+          f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step"
+          " pass the window's mean loss as value= and its mean gradient as grad=. In streaming"
+          " mode pass them to every tx.update call, e.g. tx.update(g, state, params,"
+          " value=mean_loss_so_far): under jit a call cannot know whether it closes the"
+          " window, and only the closing call's value reaches the inner optimizer."
         ) from e
       raise
 

@@ -121,6 +121,15 @@ class _LinenModel:
         " TrainState subclass with a field `batch_stats: Any` set to"
         " module.init(...)['batch_stats']."
       ) from e
+    except TypeError as e:
+      if "required" not in str(e) or "__call__" not in str(e):
+        raise
+      raise TypeError(
+        f"{e}\n{self.name}.__call__ needs more arguments than ga passes: the micro-batch's"
+        f" {self.inputs!r} and train_kwargs={self.train_kwargs}. Pass its training keywords to"
+        " ga.linen_train_step(..., train_kwargs={'train': True}), or inputs= a callable"
+        " microbatch -> tuple of positional arguments."
+      ) from e
     except self.flax_errors.InvalidRngError as e:
       hint = (
         "pass a fresh key to the step: step(train_state, batch, rng=key)"
@@ -369,7 +378,16 @@ def linen_train_step(
           f"\n  module:      {jax.tree.structure(new_stats)}\nSet it to"
           " module.init(...)['batch_stats'] for this module."
         )
-      value, aux = split_output(loss_fn(out, mb), has_aux)
+      try:
+        value = loss_fn(out, mb)
+      except model.flax_errors.ApplyScopeInvalidVariablesTypeError as e:
+        raise TypeError(
+          "ga.linen_train_step calls loss_fn(outputs, microbatch) with the model's outputs, and"
+          f" this loss_fn applies a module to them ({e}). The step applies {name} itself:"
+          " write loss_fn(outputs, microbatch), e.g. lambda logits, mb:"
+          " optax.softmax_cross_entropy_with_integer_labels(logits, mb['y']).mean()."
+        ) from e
+      value, aux = split_output(value, has_aux)
       return value, (aux, new_stats)
 
     momentum = options.batchnorm_momentum

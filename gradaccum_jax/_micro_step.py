@@ -16,12 +16,11 @@ from gradaccum_jax._accumulate import (
   Accumulate,
   AccumulateState,
   as_accumulate,
-  run_if,
 )
 from gradaccum_jax._checks import check_batch, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import NoiseSums, Sums, sum_dtype
+from gradaccum_jax._parts import NoiseSums, Sums, keep_if_voided, sum_dtype
 from gradaccum_jax._sharding import (
   DataParallel,
   _leaf_plans,
@@ -48,11 +47,15 @@ class MicroStepState(NamedTuple):
     aux_sum: with ``has_aux``, the open window's aux sums (float leaves
       weighted, integer leaves counted; a leading ``D`` axis with a mesh);
       else None.
+    window_start: with ``has_state``, the model state as the open window
+      found it, which a voided window restores (float leaves); None until the
+      first call unless ``init`` was given ``model_state``.
   """
 
   accumulate: AccumulateState
   loss_sum: jax.Array
   aux_sum: Any
+  window_start: Any = None
 
 
 _REPLICATED = P()
@@ -105,7 +108,7 @@ def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepSt
         sq_sum=noise.sq_sum, num=noise.num, examples=noise.examples
       )
     )
-  return MicroStepState(acc, sums.loss, sums.aux)
+  return state._replace(accumulate=acc, loss_sum=sums.loss, aux_sum=sums.aux)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -169,7 +172,10 @@ class MicroStep:
       key = None if rng is None else jax.random.key(0)
       _, aux_like, _ = jax.eval_shape(self._opts.loss.call, params, model_state, microbatch, key)
       aux_sum = jax.tree.map(lambda a: lay.zeros(a.shape, sum_dtype(a)), aux_like)
-    return MicroStepState(acc, lay.zeros((), jnp.float32), aux_sum)
+    start = None
+    if self.has_state and model_state is not None:
+      start = jax.tree.map(jnp.copy, model_state)
+    return MicroStepState(acc, lay.zeros((), jnp.float32), aux_sum, start)
 
   def to_accumulate_state(self, state: MicroStepState) -> AccumulateState:
     """The state as ``tx.init`` lays it out: the device slots summed (the open window's
@@ -194,7 +200,7 @@ class MicroStep:
     then count only the micro-batches after the conversion.
     """
     if isinstance(state, AccumulateState):
-      state = MicroStepState(state, like.loss_sum, like.aux_sum)
+      state = MicroStepState(state, like.loss_sum, like.aux_sum, like.window_start)
     if not isinstance(state, MicroStepState):
       raise TypeError(
         f"convert_state takes a MicroStepState or an AccumulateState, got {type(state).__name__}."
@@ -220,7 +226,7 @@ class MicroStep:
     acc = state.accumulate
     if (acc.noise_scale is None) != (like.accumulate.noise_scale is None):
       raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
-    return _with_partials(MicroStepState(acc, state.loss_sum, state.aux_sum), *moved)
+    return _with_partials(state._replace(accumulate=acc), *moved)
 
   def _check(self, state: Any) -> MicroStepState:
     if not isinstance(state, MicroStepState):
@@ -264,6 +270,11 @@ class MicroStep:
         f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
       )
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
+    if self.has_state:  # the model state a voided window restores: as the window found it
+      saved = model_state if state.window_start is None else state.window_start
+      starts = acc_state.micro_step == 0
+      start = keep_if_voided(starts, model_state, saved)  # float leaves from the window's start
+      state = state._replace(window_start=start)
     partial, noise = _partials(state)
     add = self._add_local if lay.dp is None else self._add_on_mesh
     partial, noise, new_model_state = add(
@@ -271,16 +282,22 @@ class MicroStep:
     )
     state = _with_partials(state, partial, noise)
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
+
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
     # only read the partial sums; they are cleared after it, in place (see clear_after).
     # The branches return updates, applied after the lax.cond, as tx.update's are: a branch
     # that passed the params through would make XLA copy the inner state.
     def close(new_model_state, state):
       state = self._hold(params, new_model_state, state)[2]
-      return (jnp.ones((), bool), *self._close(params, new_model_state, model_state, state))
+      return (jnp.ones((), bool), *self._close(params, new_model_state, state))
 
     def hold(new_model_state, state):
-      return (jnp.zeros((), bool), *self._hold(params, new_model_state, state))
+      # NaN metrics in the dtypes the closing branch reports (float64 under x64 too).
+      metrics = jax.eval_shape(close, new_model_state, state)[4]
+      metrics = jax.tree.map(
+        lambda m: jnp.full(m.shape, jnp.nan if is_inexact(m) else 0, m.dtype), metrics
+      )
+      return (jnp.zeros((), bool), *self._hold(params, new_model_state, state)[:3], metrics)
 
     closed, updates, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, new_model_state, state
@@ -380,7 +397,7 @@ class MicroStep:
     )
     return reduce(partial, noise)
 
-  def _close(self, params, new_model_state, model_state, state):
+  def _close(self, params, new_model_state, state):
     """The call that closes the window: reduce, one inner update, empty slots."""
     acc, opts = self._acc, self._opts
     partial, noise = _partials(state)
@@ -399,7 +416,7 @@ class MicroStep:
       totals.grads, totals.weight, acc_state, params, params, extra, branch=True
     )[:2]
     # The partial sums as they were: the caller clears them after its lax.cond.
-    new_state = _with_partials(MicroStepState(new_acc, state.loss_sum, state.aux_sum), partial, noise)
+    new_state = _with_partials(state._replace(accumulate=new_acc), partial, noise)
     scale = 1.0 if acc_state.loss_scale is None else acc_state.loss_scale.scale
     metrics = {
       "loss": loss,
@@ -408,12 +425,8 @@ class MicroStep:
     }
     if opts.loss.has_aux:
       metrics["aux"] = aux
-    if opts.has_state:  # a voided window restores float state (statistics); counters advance
-      new_model_state = jax.tree.map(
-        lambda new, old: jnp.where(new_acc.updated, new, old) if is_inexact(new) else new,
-        new_model_state,
-        model_state,
-      )
+    if opts.has_state:  # a voided window restores float state as the window found it
+      new_model_state = keep_if_voided(new_acc.updated, new_model_state, state.window_start)
     return updates, new_model_state, new_state, metrics
 
   def _hold(self, params, new_model_state, state):
@@ -422,23 +435,8 @@ class MicroStep:
     new_acc = acc_state._replace(
       micro_step=optax.safe_increment(acc_state.micro_step), updated=jnp.zeros((), bool)
     )
-    nan = jnp.full((), jnp.nan, jnp.float32)
-    metrics = {
-      "loss": nan,
-      "grad_norm": nan,
-      "weight": nan,
-    }
-    if self._opts.loss.has_aux:
-      metrics["aux"] = jax.tree.map(
-        lambda a: (
-          jnp.full(a.shape[1:] if self._layout.dp else a.shape, jnp.nan, a.dtype)
-          if is_inexact(a)
-          else jnp.zeros(a.shape[1:] if self._layout.dp else a.shape, a.dtype)
-        ),
-        state.aux_sum,
-      )
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return zeros, new_model_state, state._replace(accumulate=new_acc), metrics
+    return zeros, new_model_state, state._replace(accumulate=new_acc), None
 
 
 def micro_step(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,9 @@ class LossSpec:
   def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> tuple[Any, Any, Any]:
     """``(loss, aux, new_model_state)`` of one micro-batch."""
     args = (params, model_state, mb) if self.has_state else (params, mb)
-    out = self.fn(*args) if key is None else self.fn(*args, key)
+    args = args if key is None else (*args, key)
+    self._check_signature(len(args))
+    out = self.fn(*args)
     if not self.has_state:
       loss, aux = split_output(out, self.has_aux)
       return check_loss(loss, self.has_aux), aux, None
@@ -66,6 +69,28 @@ class LossSpec:
     aux, new_state = split_output(rest, True, "loss_fn") if self.has_aux else (None, rest)
     check_state_like(new_state, model_state)
     return check_loss(loss, self.has_aux), aux, new_state
+
+  def _check_signature(self, n: int) -> None:
+    """A TypeError naming the ga signature when ``loss_fn`` cannot take ``n`` arguments."""
+    try:
+      inspect.signature(self.fn).bind(*range(n))
+    except ValueError:  # no signature to read (a builtin): let the call say
+      return
+    except TypeError:
+      names = ["params", "model_state", "microbatch"] if self.has_state else ["params", "microbatch"]
+      with_rng = n > len(names)
+      called = ", ".join(names + ["rng"] * with_rng)
+      fix = (
+        "add an rng argument to loss_fn, or call the step without rng="
+        if with_rng
+        else "call the step with rng=key if loss_fn takes a key"
+        + ("" if self.has_state else ", or pass has_state=True for loss_fn(params, model_state,"
+           " microbatch)")
+      )  # fmt: skip
+      raise TypeError(
+        f"ga calls loss_fn({called}), but {getattr(self.fn, '__name__', 'loss_fn')}"
+        f"{inspect.signature(self.fn)} does not take {n} positional arguments: {fix}."
+      ) from None
 
   def pack(self, loss: Any, aux: Any, model_state: Any) -> Any:
     """The value part in the shape ``loss_fn`` returns it."""

@@ -307,3 +307,9 @@ class ModelStateUnit:
 
   def finish(self, c: ModelCarry, num: Any) -> Any:
     return self.plan.finish(c.state, c.stats, self.initial, num)
+
+
+def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:
+  """The model state after a window: ``new``, but for a voided window (``updated`` False) its
+  float leaves (running statistics) as ``old`` holds them; counters advance either way."""
+  return jax.tree.map(lambda n, o: jnp.where(updated, n, o) if is_inexact(n) else n, new, old)

@@ -19,10 +19,10 @@ from gradaccum_jax._accumulate import (
   noise_scale,
   run_if,
 )
-from gradaccum_jax._checks import check_real_microbatches, check_same_structure, is_inexact
+from gradaccum_jax._checks import check_real_microbatches, check_same_structure
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import NoiseSums, keeps_running_means, merge_gradients
+from gradaccum_jax._parts import NoiseSums, keep_if_voided, keeps_running_means, merge_gradients
 from gradaccum_jax._sharding import AutoGatherStep, place_params
 
 
@@ -346,11 +346,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
       new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
     new_model_state = None
     if opts.has_state:  # a voided window restores float state (statistics); counters advance
-      new_model_state = jax.tree.map(
-        lambda new, old: jnp.where(new_state.updated, new, old) if is_inexact(new) else new,
-        window.model_state,
-        model_state,
-      )
+      new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts)
     return new_params, new_model_state, new_state, metrics
 

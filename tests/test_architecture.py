@@ -72,13 +72,14 @@ def backend_reads(path):
   may name them; nothing else may depend on them), and its module-level switches (an
   upper-case name bound to True, False or None, read at trace time)."""
   tree = ast.parse(path.read_text())
-  in_messages = {
-    id(n) for s in ast.walk(tree) if isinstance(s, ast.JoinedStr) for n in ast.walk(s)
-  }
+  in_messages = {id(n) for s in ast.walk(tree) if isinstance(s, ast.JoinedStr) for n in ast.walk(s)}
   found = []
   for node in ast.walk(tree):
     name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
-    if name in ("default_backend", "platform", "backend", "platforms") and id(node) not in in_messages:
+    if (
+      name in ("default_backend", "platform", "backend", "platforms")
+      and id(node) not in in_messages
+    ):
       found.append(f"{path.name}:{node.lineno} reads {name}")
   for node in tree.body:
     if isinstance(node, ast.Assign | ast.AnnAssign):

@@ -173,3 +173,42 @@ def test_state_for_other_params(params):
   step = ga.train_step(xent_loss, tx)
   with pytest.raises(ValueError, match=r"\['layer0'\]\['b'\] has shape \(16,\).*\(8,\)"):
     step(params, tx.init(other), make_batch(jax.random.key(1), 16))
+
+
+# --- errors that name the ga argument or signature to change ------------------------------------
+
+
+def test_a_step_given_rng_for_a_two_argument_loss_names_the_signature(params):
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  step = ga.train_step(xent_loss, tx)
+  with pytest.raises(TypeError, match=r"ga calls loss_fn\(params, microbatch, rng\).*add an rng"):
+    step(params, tx.init(params), make_batch(jax.random.key(0), 8), jax.random.key(1))
+
+
+def test_a_three_argument_loss_without_rng_says_how_to_call_it(params):
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  step = ga.train_step(lambda p, mb, key: xent_loss(p, mb), tx)
+  with pytest.raises(TypeError, match=r"call the step with rng=key.*has_state=True"):
+    step(params, tx.init(params), make_batch(jax.random.key(0), 8))
+
+
+def test_tx_update_without_params_for_an_inner_that_needs_them_names_tx_update(params):
+  tx = ga.accumulate(optax.adamw(1e-3), 1)
+  grads = jax.tree.map(jnp.ones_like, params)
+  with pytest.raises(ValueError, match=r"inner optimizer of ga.accumulate needs the params.*"
+                     r"tx.update\(grads, state, params\)"):  # fmt: skip
+    tx.update(grads, tx.init(params))
+
+
+def test_the_value_error_says_what_works_and_that_works():
+  """An inner optimizer that needs value= in streaming mode: the message says to pass it on
+  every call, and doing so runs (the closing call's value reaches the inner optimizer)."""
+  inner = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+  tx = ga.accumulate(inner, 2)
+  w = jnp.ones(3)
+  state = tx.init(w)
+  with pytest.raises(TypeError, match=r"pass them to every tx.update call"):
+    tx.update(jnp.ones(3), state, w)
+  for value in (1.0, 1.0):
+    _, state = tx.update(jnp.ones(3), state, w, value=jnp.asarray(value))
+  assert int(state.count) == 1

@@ -73,7 +73,33 @@ def negative_traced():
   return "counted as 0"
 
 
+def micro_step_nan():
+  """A NaN in the first of K micro-steps with a model state: the window is voided and the
+  model state comes back as the window found it."""
+  loss = lambda p, ms, mb: (xent_loss(p, mb), {"n": ms["n"] + jnp.mean(mb["x"])})  # noqa: E731
+  step = ga.micro_step(loss, ga.accumulate(optax.sgd(0.1), K), has_state=True)
+  params, ms = PARAMS, {"n": jnp.zeros(())}
+  state = step.init(params, model_state=ms)
+  for i in range(K):
+    mb = ga.microbatch(BATCH, i, K)
+    mb = dict(mb, x=mb["x"].at[0, 0].set(jnp.nan)) if i == 0 else mb
+    params, ms, state, metrics = step(params, ms, state, mb)
+  assert not bool(metrics["updated"]) and int(state.accumulate.num_skipped) == 1
+  assert float(ms["n"]) == 0.0
+  return "restored"
+
+
 TRIGGERS = {
+  "a step called with `rng=` whose `loss_fn` takes no key": lambda: ga.train_step(
+    xent_loss, ga.accumulate(optax.sgd(0.1), K)
+  )(PARAMS, ga.accumulate(optax.sgd(0.1), K).init(PARAMS), BATCH, jax.random.key(0)),
+  "`tx.update` without params for an inner optimizer that needs them": lambda: ga.accumulate(
+    optax.adamw(0.1), 1
+  ).update(jax.tree.map(jnp.ones_like, PARAMS), ga.accumulate(optax.adamw(0.1), 1).init(PARAMS)),
+  "an inner optimizer that needs `value=`, in streaming mode without it": lambda: ga.accumulate(
+    optax.contrib.reduce_on_plateau(), 2
+  ).update(jnp.ones(2), ga.accumulate(optax.contrib.reduce_on_plateau(), 2).init(jnp.ones(2))),
+  "a NaN in any micro-batch of a `ga.micro_step` window with model state": micro_step_nan,
   "an empty batch (B = 0)": lambda: fused({"x": jnp.zeros((0, 6)), "y": jnp.zeros(0, jnp.int32)}),
   "a batch size that `k` does not divide": lambda: fused(make_batch(jax.random.key(1), 10)),
   "batch leaves with different leading dimensions": lambda: fused(dict(BATCH, y=BATCH["y"][:8])),
@@ -127,6 +153,9 @@ def test_row(row):
   if expected == "voided window":
     _, state, metrics = TRIGGERS[row]()
     assert not bool(metrics["updated"]) and int(state.num_skipped) == 1
+    return
+  if expected.startswith("micro-step window voided"):
+    assert TRIGGERS[row]() == "restored"
     return
   if not expected.startswith("`"):
     assert TRIGGERS[row]() == "counted as 0"

@@ -322,3 +322,33 @@ def test_dropout_without_rng_says_to_pass_one(batch):
 def test_bad_momentum(bad):
   with pytest.raises(ValueError, match=re.escape(f"batchnorm_momentum={bad!r} must be a float")):
     ga.linen_train_step(CNN(), xent, batchnorm="per_window", batchnorm_momentum=bad)
+
+
+def test_linen_mistakes_name_the_ga_argument_to_change():
+  """A loss_fn(params, batch) of the old signature, and a module whose __call__ needs train=
+  without train_kwargs, each raise a TypeError naming what ga passes and what to change."""
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      return nn.Dense(3)(x)
+
+  model = Net()
+  x = jnp.ones((8, 4))
+  params = model.init(jax.random.key(0), x[:1], train=False)["params"]
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  batch = {"x": x, "y": jnp.zeros(8, jnp.int32)}
+
+  def old_loss(p, mb):  # the MultiSteps-era signature: applies the model itself
+    logits = model.apply({"params": p}, mb["x"], train=True)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+  step = ga.linen_train_step(model, old_loss, train_kwargs={"train": True}, jit=False)
+  with pytest.raises(TypeError, match=r"calls loss_fn\(outputs, microbatch\)"):
+    step(state, batch)
+
+  def loss(logits, mb):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+  with pytest.raises(TypeError, match=r"train_kwargs=\{'train': True\}"):
+    ga.linen_train_step(model, loss, jit=False)(state, batch)

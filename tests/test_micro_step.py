@@ -267,3 +267,55 @@ def test_bad_states_and_arguments():
     ga.micro_step(xent_loss, tx, has_aux=True).init(params)
   with pytest.raises(ValueError, match=r"data_axis='data'.*\{'batch': 8\}"):
     ga.micro_step(xent_loss, tx, mesh=jax.make_mesh((D,), ("batch",)))
+
+
+# --- float64 and a voided window's model state ---------------------------------------------------
+
+
+def test_a_float64_accumulator_runs_and_reports_one_dtype_on_every_call():
+  """Under x64, micro_step with accum_dtype=float64 reports each metric in one dtype whether a
+  call closes the window or not (before: a TypeError, grad_norm float32 in one branch and
+  float64 in the other), and the closing call's mean is the float64 mean."""
+  with jax.enable_x64(True):
+    tx = ga.accumulate(optax.sgd(0.1), 2, accum_dtype=jnp.float64)
+    s = ga.micro_step(lambda w, mb: jnp.mean((mb["x"] @ w) ** 2), tx)
+    w = jnp.zeros(3)
+    state = s.init(w)
+    w, state, held = s(w, state, {"x": jnp.ones((4, 3))})
+    w, state, closed = s(w, state, {"x": jnp.ones((4, 3))})
+    assert not bool(held["updated"]) and bool(closed["updated"])
+    for key in held:
+      assert held[key].dtype == closed[key].dtype, key
+    assert closed["grad_norm"].dtype == jnp.float64
+
+
+def ema_loss(p, ms, mb):
+  return jnp.mean((mb["x"] @ p - 1) ** 2), {"ema": 0.5 * ms["ema"] + 0.5 * jnp.mean(mb["x"])}
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_a_voided_window_restores_the_model_state_the_window_found(bad):
+  """A NaN in any micro-batch of a window voids it: micro_step returns the float model state
+  as the window found it, not the NaN of a later call nor the updates of the clean calls
+  before the bad one (as train_step does). The next window then trains from it."""
+  k = 3
+  tx = ga.accumulate(optax.sgd(0.1), k)
+  step = ga.micro_step(ema_loss, tx, has_state=True)
+  w, ms = jnp.zeros(3), {"ema": jnp.asarray(0.25)}
+  state = step.init(w, model_state=ms)
+  rows = np.random.default_rng(0).standard_normal((k, 4, 3)).astype(np.float32)
+  rows[bad, 0, 0] = np.nan
+  for x in rows:
+    w, ms, state, metrics = step(w, ms, state, {"x": jnp.asarray(x)})
+  assert not bool(metrics["updated"]) and int(state.accumulate.num_skipped) == 1
+  np.testing.assert_array_equal(w, jnp.zeros(3))
+  assert float(ms["ema"]) == 0.25
+  clean = np.random.default_rng(1).standard_normal((k, 4, 3)).astype(np.float32)
+  fused = ga.train_step(ema_loss, ga.accumulate(optax.sgd(0.1), k), has_state=True)
+  batch = {"x": jnp.asarray(clean.transpose(1, 0, 2).reshape(4 * k, 3))}  # row i + j k
+  want_w, want_ms, *_ = fused(jnp.zeros(3), {"ema": jnp.asarray(0.25)}, tx.init(w), batch)
+  for x in clean:
+    w, ms, state, metrics = step(w, ms, state, {"x": jnp.asarray(x)})
+  assert bool(metrics["updated"])
+  assert_trees_close(w, want_w)
+  assert_trees_close(ms, want_ms)

@@ -369,3 +369,33 @@ def test_low_precision_accumulators_on_a_mesh_are_refused():
   step = ga.train_step(lambda p, mb: jnp.mean(mb @ p.astype(jnp.float32)), tx, mesh=mesh)
   with pytest.raises(ValueError, match=r"float16 accumulator keeps running means.*accum_dtype"):
     step(params, tx.init(params), jnp.ones((16, 2)))
+
+
+@pytest.mark.parametrize("k", [3, 6, 16])
+def test_float64_windows_are_float64_exact(k):
+  """Under x64 with accum_dtype=float64, every normalizer of the window is float64: the mean
+  of k equal gradients of 1.0 is exactly 1.0 in streaming and fused mode (before: 1.0000000298
+  at k = 3, a float32 1 / 3), and ga.value_and_grad is within 1e-12 of jax.value_and_grad on
+  the whole batch for every k, not only for powers of two."""
+  with jax.enable_x64(True):
+    tx = ga.accumulate(optax.sgd(1.0), k, accum_dtype=jnp.float64)
+    w = jnp.zeros(2, jnp.float64)
+    state = tx.init(w)
+    for _ in range(k):
+      updates, state = tx.update(jnp.ones(2, jnp.float64), state, w)
+    assert updates.dtype == jnp.float64
+    np.testing.assert_array_equal(updates, -jnp.ones(2))
+
+    def loss(w, mb):
+      return jnp.mean(jnp.sin(mb["x"] @ w) ** 2 + mb["x"][:, 0] * 0.1)
+
+    rng = np.random.default_rng(k)
+    batch = {"x": jnp.asarray(rng.standard_normal((4 * k, 2)))}
+    w = jnp.asarray(rng.standard_normal(2))
+    got = ga.value_and_grad(loss, k, accum_dtype=jnp.float64)(w, batch)
+    want = jax.value_and_grad(loss)(w, batch)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-14)
+    step = ga.train_step(lambda w, mb: jnp.mean(mb["x"] @ w), tx)
+    new_w, _, metrics = step(jnp.zeros(2, jnp.float64), tx.init(w), {"x": jnp.ones((2 * k, 2))})
+    np.testing.assert_array_equal(new_w, -jnp.ones(2))
