@@ -69,7 +69,7 @@ def main(argv=None):
     pairs = ", ".join(f"{n['ga'] / o['ga']:.3f}" for o, n in zip(by["old"], by["new"], strict=True))
     for name in ("old", "new"):
       ms = by[name]
-      med = lambda f: statistics.median(f(m) for m in ms)  # noqa: E731
+      med = lambda f, ms=ms: statistics.median(f(m) for m in ms)  # noqa: E731
       cells = " | ".join(f"{med(lambda m, a=a, c=c: m[a] / m[c]):.3f}" for a, c in RATIOS.values())
       lines.append(
         f"| {b} | {name} | {med(lambda m: m['ga']):.2f} | {cells} |"

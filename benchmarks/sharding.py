@@ -136,6 +136,16 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
     for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
   ]
   in_loop = _reachable(comps, stack)
+  branches = [
+    name
+    for lines in comps.values()
+    for line in lines
+    if re.search(r"\sconditional\(", line)
+    for name in re.findall(r"(?:true_computation|false_computation)=%([\w.\-]+)", line)
+    + [c.strip().lstrip("%") for m in re.findall(r"branch_computations=\{([^}]*)\}", line)
+       for c in m.split(",")]
+  ]  # fmt: skip
+  in_branch = _reachable(comps, branches)
   found = []
   for name, lines in comps.items():
     for m in map(_OP.match, lines):
@@ -146,7 +156,10 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
           for d in filter(None, dims.split(",")):
             n *= int(d)
           size += n * _DTYPE_BYTES.get(dtype, int(dtype[1:]) // 8 if dtype[1:].isdigit() else 4)
-        found.append({"op": m.group(2), "bytes": size, "in_loop": name in in_loop})
+        found.append({
+          "op": m.group(2), "bytes": size, "in_loop": name in in_loop,
+          "in_branch": name in in_branch,
+        })  # fmt: skip
   return found
 
 
@@ -279,11 +292,11 @@ def compiled_bytes(mem: Any) -> int:
 
 
 def stream_summary(found: list[dict[str, Any]], k: int) -> dict[str, Any]:
-  """Collectives of one streaming call: outside the loop of 0 or 1 trips that closes the window
-  on every call, inside it on one call per window."""
+  """Collectives of one streaming call: outside the branch (or loop) that closes the window on
+  every call, inside it on one call per window."""
 
   def where(c: dict[str, Any]) -> str:
-    return "close" if c["in_loop"] else "every_call"
+    return "close" if c["in_loop"] or c.get("in_branch") else "every_call"
 
   times = {"every_call": k, "close": 1}
   out: dict[str, Any] = {w: dict(Counter(c["op"] for c in found if where(c) == w)) for w in times}

@@ -718,7 +718,8 @@ def accumulate(
   schedules see one step per window, and it is evaluated once per window
   (and not at all for a voided one), not on every micro-step and masked as in
   ``optax.MultiSteps``; a call that does not close the window does not copy
-  the inner optimizer's state.
+  the inner optimizer's state. The window closes in a ``lax.cond``, so
+  ``jax.grad`` goes through ``update`` and :func:`flush` (meta-gradients).
 
   Put everything that should see the accumulated gradient *inside*
   ``inner`` (clipping, schedules via ``optax.inject_hyperparams``, weight

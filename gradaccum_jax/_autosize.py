@@ -171,7 +171,7 @@ def auto_microbatch(
   The arguments include the whole batch and the params, optimizer state and
   fp32 accumulator, which do not shrink with ``k``; only the temp memory of
   one micro-batch does. Memory held by other arrays is not counted, so leave a
-  margin in the budget (e.g. 90% of the device's limit).
+  margin in the budget (a tenth of the device's limit, say).
 
   Args:
     loss_fn: as in :func:`train_step`.

@@ -292,7 +292,7 @@ class MicroStep:
       return (jnp.ones((), bool), *self._close(params, new_model_state, state))
 
     def hold(new_model_state, state):
-      # NaN metrics in the dtypes the closing branch reports (float64 under x64 too).
+      # NaN metrics in the dtypes the closing branch reports (in double precision too).
       metrics = jax.eval_shape(close, new_model_state, state)[4]
       metrics = jax.tree.map(
         lambda m: jnp.full(m.shape, jnp.nan if is_inexact(m) else 0, m.dtype), metrics
@@ -469,7 +469,7 @@ def micro_step(
   ``data_axis``; weights are global over devices and calls) to its own slot of
   the state, with no gradient collective: only the call that closes the window
   reduces the slots (one all-reduce; one reduce-scatter per data-sharded param
-  of ``param_specs``), inside the loop of 0 or 1 trips that closes it. A plain
+  of ``param_specs``), inside the ``lax.cond`` branch that closes it. A plain
   ``jax.jit`` of ``value_and_grad`` + ``tx.update`` on a sharded micro-batch
   all-reduces the gradient on every call.
 
@@ -483,7 +483,10 @@ def micro_step(
       be a schedule).
     has_aux, weight_fn, has_state: as in :func:`train_step`. With a mesh,
       float model-state leaves are averaged over the devices after every call
-      (a small all-reduce) and integer leaves take their maximum.
+      (a small all-reduce) and integer leaves take their maximum. A voided
+      window returns the float model state as the window found it (kept in
+      ``state.window_start``; pass ``model_state=`` to ``init`` to spare one
+      retrace at the second call).
     mesh, data_axis, param_specs: as in :func:`train_step`. FSDP params are
       all-gathered over the data axes on every call (GSPMD); the slots hold
       full-size partial gradients.

@@ -77,7 +77,9 @@ class LossSpec:
     except ValueError:  # no signature to read (a builtin): let the call say
       return
     except TypeError:
-      names = ["params", "model_state", "microbatch"] if self.has_state else ["params", "microbatch"]
+      names = (
+        ["params", "model_state", "microbatch"] if self.has_state else ["params", "microbatch"]
+      )
       with_rng = n > len(names)
       called = ", ".join(names + ["rng"] * with_rng)
       fix = (

@@ -114,3 +114,15 @@ def in_while_loops(comps):
     for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
   ]
   return reachable(comps, roots)
+
+
+def in_branches(comps):
+  """The branches of every conditional, and every computation they call."""
+  roots = []
+  for lines in comps.values():
+    for line in lines:
+      if re.search(r"\sconditional\(", line):
+        roots += re.findall(r"(?:true_computation|false_computation)=%([\w.\-]+)", line)
+        for many in re.findall(r"branch_computations=\{([^}]*)\}", line):
+          roots += [c.strip().lstrip("%") for c in many.split(",")]
+  return reachable(comps, roots)

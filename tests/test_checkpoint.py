@@ -206,7 +206,9 @@ def test_a_mesh_checkpoint_restores_onto_a_fresh_state_mid_window(layout, checkp
   checkpointer.save(tmp_path / "ckpt", state)
   checkpointer.wait_until_finished()
   fresh = tx_mesh.init(params)
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), fresh)
+  target = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), fresh
+  )
   restored = checkpointer.restore(tmp_path / "ckpt", target)
   assert_trees_close(restored, state, rtol=0, atol=0)
   for r, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):

@@ -327,6 +327,7 @@ def test_bad_momentum(bad):
 def test_linen_mistakes_name_the_ga_argument_to_change():
   """A loss_fn(params, batch) of the old signature, and a module whose __call__ needs train=
   without train_kwargs, each raise a TypeError naming what ga passes and what to change."""
+
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x, train):
