@@ -749,44 +749,10 @@ def accumulate(
       averages of the gradient noise scale estimate, or ``None`` (off: nothing
       extra is computed or stored). See below and :func:`noise_scale`.
 
-  Gradient noise scale: the micro-batch gradients of one window are
-  independent estimates of the gradient at the same params, so their spread
-  measures the gradient noise, for one squared norm per micro-batch (a scalar
-  sum, no extra gradient buffer). Assume micro-batch ``i`` has ``b_i``
-  examples and weight :math:`w_i = b_i` (``weight=`` / ``weight_fn`` counts
-  examples or tokens; unweighted, the ``train_step`` micro-batches all have
-  ``b`` rows), so :math:`g_i` has mean :math:`G` and covariance
-  :math:`\Sigma / b_i` (:math:`\Sigma`: the per-example gradient covariance).
-  With :math:`W = \sum_i b_i` examples in ``n`` micro-batches,
-  :math:`A = \sum_i w_i |g_i|^2 / W` and :math:`\bar g = \sum_i w_i g_i / W`:
-
-  .. math::
-    E[A] = |G|^2 + \sum_i \frac{w_i}{W} \frac{\mathrm{tr}\Sigma}{b_i}
-         = |G|^2 + \frac{n}{W} \mathrm{tr}\Sigma, \qquad
-    E|\bar g|^2 = |G|^2 + \sum_i \frac{w_i^2}{W^2} \frac{\mathrm{tr}\Sigma}{b_i}
-                = |G|^2 + \frac{1}{W} \mathrm{tr}\Sigma,
-
-  two linear equations whose solution gives the unbiased estimates
-
-  .. math::
-    \widehat{|G|^2} = \frac{n |\bar g|^2 - A}{n - 1}, \qquad
-    \widehat{\mathrm{tr}\Sigma} = \frac{W (A - |\bar g|^2)}{n - 1}.
-
-  For ``n`` equal micro-batches of ``b`` these are McCandlish et al.'s
-  :math:`(k|\bar g|^2 - m) / (k - 1)` and :math:`b k (m - |\bar g|^2) / (k - 1)`
-  with :math:`m` the mean of :math:`|g_i|^2`. (Weights that are not example
-  counts, with unequal :math:`b_i`, make them biased.) Micro-batches of
-  weight 0 do not count in ``n``. With data parallelism (``mesh=``) the
-  per-device micro-batches are the samples: ``n = k D`` of ``b / D`` examples
-  each (or their token counts), still independent with covariance
-  :math:`\Sigma / b_{i,d}`, so the same equations hold and the estimates stay
-  unbiased. Each applied window with ``n >= 2`` updates
-  ``state.noise_scale``'s separate EMAs of the two estimates; ``ga.noise_scale(
-  state)`` is the ratio :math:`B_\text{simple} = \mathrm{tr}\Sigma / |G|^2`,
-  in examples (tokens). ``train_step`` reports it with the window's raw
-  estimates. Unweighted streaming calls do not know ``b``: there each call
-  counts as one example, so ``tr(Sigma)`` and :math:`B_\text{simple}` are in
-  micro-batches (pass ``weight=`` the example count instead).
+  Gradient noise scale: the spread of a window's micro-batch gradients gives
+  unbiased estimates of :math:`|G|^2` and :math:`\mathrm{tr}\Sigma` for one squared
+  norm per micro-batch; their moving averages give :func:`noise_scale`
+  (derivation, weights and data parallelism: docs/noise_scale.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an

@@ -454,81 +454,39 @@ def micro_step(
 ) -> MicroStep:
   r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
 
-  For a data loader that yields micro-batches: ``step(params, state,
-  microbatch, rng=None) -> (params, state, metrics)`` adds the micro-batch's
-  weighted gradient :math:`w_i g_i` and loss :math:`w_i L_i` to the sums in
-  ``state = step.init(params)``; the call that completes the window of ``tx =
-  ga.accumulate(inner, k)`` applies ``inner`` once to
-  :math:`G = \sum_i w_i g_i / \sum_i w_i`, passing ``value=`` the window's mean
-  loss (for ``optax.contrib.reduce_on_plateau``), through the same closing code
-  as :func:`train_step`. The other calls return the params unchanged.
-
-  Without ``mesh`` this is ``jax.value_and_grad`` + ``tx.update`` done right
-  (weights, mean loss, noise and loss scaling as in :func:`train_step`). With
-  ``mesh``, every device adds its own rows' sums (the micro-batch is sharded on
-  ``data_axis``; weights are global over devices and calls) to its own slot of
-  the state, with no gradient collective: only the call that closes the window
-  reduces the slots (one all-reduce; one reduce-scatter per data-sharded param
-  of ``param_specs``), inside the ``lax.cond`` branch that closes it. A plain
-  ``jax.jit`` of ``value_and_grad`` + ``tx.update`` on a sharded micro-batch
-  all-reduces the gradient on every call.
+  For a data loader that yields micro-batches: ``step(params, state, microbatch,
+  rng=None)`` adds the micro-batch's :math:`w_i g_i` and :math:`w_i L_i` to the sums
+  in ``state = step.init(params)``; the call that completes the window of
+  ``tx = ga.accumulate(inner, k)`` applies ``inner`` once to
+  :math:`G = \sum_i w_i g_i / \sum_i w_i` (with ``value=`` the window's mean loss)
+  through the same closing code as :func:`train_step`, in a ``lax.cond`` that
+  ``jax.grad`` goes through. With ``mesh``, every device adds its own rows' sums to
+  its own slot of the state with no collective; only the closing call reduces
+  them, once per window (a plain ``jit`` of ``value_and_grad`` + ``tx.update``
+  all-reduces every call). Slots, checkpoints and mesh changes:
+  docs/data_parallel.md.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch[, rng])`` returning the mean loss of
-      the micro-batch, or ``(loss, aux)`` with ``has_aux``; with
-      ``has_state``, ``loss_fn(params, model_state, microbatch[, rng])``
-      returning ``(loss, new_model_state)`` (or ``(loss, (aux,
-      new_model_state))``).
-    tx: a transformation made by :func:`accumulate` (``num_microbatches`` may
-      be a schedule).
-    has_aux, weight_fn, has_state: as in :func:`train_step`. With a mesh,
-      float model-state leaves are averaged over the devices after every call
-      (a small all-reduce) and integer leaves take their maximum. A voided
-      window returns the float model state as the window found it (kept in
-      ``state.window_start``; pass ``model_state=`` to ``init`` to spare one
-      retrace at the second call).
-    mesh, data_axis, param_specs: as in :func:`train_step`. FSDP params are
-      all-gathered over the data axes on every call (GSPMD); the slots hold
-      full-size partial gradients.
+    loss_fn: as in :func:`train_step` (``has_state``: with the model state).
+    tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
+    has_aux, weight_fn, has_state: as in :func:`train_step`. A voided window
+      returns the float model state as the window found it.
+    mesh, data_axis, param_specs: as in :func:`train_step`.
     donate: donate ``params``, ``state`` (and ``model_state``) to the step.
     jit: jit the step (default), or return it traceable.
 
-  State, checkpoints and meshes: the state is a :class:`MicroStepState`
-  (``step.init(params)``; pass a micro-batch too with ``has_aux``), whose
-  ``accumulate`` is an :class:`AccumulateState`. With a mesh of ``D`` devices
-  on the data axes, its ``acc_grads`` leaves, ``acc_weight``, ``loss_sum``,
-  the aux sums and the noise-scale window sums have a leading axis of ``D``
-  slots, sharded over the data axes: device ``d``'s partial sums, whose total
-  is the window's (an unweighted micro-batch adds ``1/D`` per device). They
-  are ordinary global arrays: a checkpointer (orbax) saves and restores them
-  on the same mesh like the params. If the mesh changes between save and
-  restore, restore the state unsharded (e.g. as numpy) and call
-  ``step.convert_state(saved, step.init(params))``: the open window's sums
-  are totalled and put in the first slot of the new layout, which is exact
-  (only totals matter); mid-window checkpoints resume exactly. To move to the
-  fused or streaming modes, ``step.to_accumulate_state(state)`` sums the
-  slots into the layout of ``tx.init``; ``convert_state`` takes such a state
-  back.
-
   Returns:
-    A :class:`MicroStep` ``step``: ``step(params, state, microbatch,
-    rng=None) -> (params, state, metrics)``, with ``has_state``
-    ``step(params, model_state, state, microbatch, rng=None) -> (params,
-    model_state, state, metrics)``. ``metrics``: ``"updated"``,
-    ``"micro_step"`` (micro-batches in the open window after the call) and,
-    for the window the call closes, ``"loss"`` (weighted mean), ``"grad_norm"``,
-    ``"weight"`` (its total weight) and with ``has_aux`` ``"aux"``; these are
-    NaN (integer aux: 0) on calls that do not close a window, which would need
-    a reduction over the devices. ``rng`` is folded with the device index (with
-    a mesh) and then 0, as micro-batch 0 of :func:`train_step`: pass a fresh key
-    on every call.
+    A :class:`MicroStep`: ``step(params, state, microbatch, rng=None) -> (params,
+    state, metrics)`` (``has_state``: ``model_state`` after ``params``, in and
+    out). ``metrics``: ``"updated"``, ``"micro_step"`` and, for the window a call
+    closes, ``"loss"``, ``"grad_norm"``, ``"weight"`` (``"aux"``); NaN on the
+    other calls. ``step.init(params, microbatch=None, model_state=None)`` makes
+    the state (a micro-batch for ``has_aux``; ``model_state`` spares a retrace).
 
   Raises:
-    TypeError: if ``tx`` is not made by :func:`accumulate`, or ``state`` is not
-      a :class:`MicroStepState`.
-    ValueError: for the mesh errors of :func:`train_step`; at the first call,
-      for a micro-batch whose rows do not divide over the data-parallel
-      devices.
+    TypeError, ValueError: for a ``tx`` not from :func:`accumulate`, a state not
+      from ``step.init``, the mesh errors of :func:`train_step`, or a micro-batch
+      whose rows the data-parallel devices do not divide.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

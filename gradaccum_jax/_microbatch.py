@@ -271,72 +271,33 @@ def value_and_grad(
   gradients and float aux are 0.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch)`` (or ``loss_fn(params,
-      microbatch, rng)`` when the returned function is called with ``rng=``)
-      returning the scalar mean loss over the micro-batch, or ``(loss, aux)``
-      with ``has_aux``.
+    loss_fn: ``loss_fn(params, microbatch[, rng])`` returning the scalar mean
+      loss of the micro-batch, or ``(loss, aux)`` with ``has_aux``.
     num_microbatches: ``k``, a positive int that divides the batch size.
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``. Float aux leaves are
-      averaged with the same weights; integer and bool leaves are summed over
-      the micro-batches of positive weight (e.g. counts of correct
-      predictions).
-    weight_fn: ``weight_fn(microbatch) -> scalar`` weight of a micro-batch,
-      e.g. its number of non-padding tokens; ``None`` weighs all equally.
-    accum_dtype: dtype of the gradient accumulator (float32 by default);
-      ``None`` uses the gradients' dtype. Gradients are returned in the
-      params' dtype.
-    has_state: whether ``loss_fn(params, model_state, microbatch[, rng])``
-      takes a mutable model state (flax ``batch_stats``, counters) and returns
-      ``(loss, new_model_state)`` (``(loss, (aux, new_model_state))`` with
-      ``has_aux``). The state flows through the micro-batches as ``batchnorm``
-      says; the function then takes ``(params, model_state, batch, rng=None)``.
-    batchnorm: with ``has_state``, how BatchNorm running statistics (pairs of
-      leaves named ``mean`` and ``var``) are updated. ``"sequential"``: each
-      micro-batch updates them in turn (k running-average updates per window,
-      i.e. ghost batch norm with ghost size b). ``"per_window"``: each
-      micro-batch starts from the window's statistics and they are updated once
-      with the pooled mean and variance of the whole window (the variance of
-      the micro-batch means included; micro-batches count equally, whatever
-      their weight). ``"frozen"``: left unchanged (fine-tuning). In every mode
-      the normalization itself uses each micro-batch's own statistics when the
-      model is in training mode: exact large-batch BatchNorm would need the
-      whole batch's activations at once. Prefer GroupNorm or LayerNorm, which
-      are per-example and so exact under accumulation, when you can.
-    batchnorm_momentum: the momentum ``m`` of the running averages (``new = m
-      * old + (1 - m) * batch_stat``; flax's default is 0.99); needed by
-      ``"per_window"``.
-    compute_dtype: if set (e.g. ``jnp.bfloat16``), float params are cast to it
-      before ``loss_fn`` sees them; gradients still come back in the params'
-      dtype (fp32 master weights) and are accumulated in ``accum_dtype``.
-    mesh: a ``jax.sharding.Mesh`` to accumulate data-parallel over: every
-      device splits its own rows of the batch into the ``k`` micro-batches and
-      accumulates locally, with no collective inside the loop, and the sums are
-      reduced once after it. The global batch size must be a multiple of
-      (devices on ``data_axis``) x ``k``; the result equals the single-device
-      one (see :func:`train_step` for the details and the trade-offs). Call
-      the function under ``jax.jit``, not inside your own ``shard_map``.
-    data_axis: the mesh axis (or tuple of axes) the batch's leading dimension
-      is sharded over; ``"data"`` by default. Needs ``mesh``.
-    param_specs: a ``PartitionSpec`` or a pytree prefix of the params with
-      ``PartitionSpec`` leaves: the params are sharded (FSDP/ZeRO style) over
-      data axes, gathered once before the scan, and the gradients are
-      reduce-scattered into this sharding once after it. ``None``: the params
-      are replicated. Needs ``mesh``. Other mesh axes (tensor parallelism)
-      are left to GSPMD, as in :func:`train_step`.
-    gather_params: ``"once"`` or ``"per_microbatch"``, as in
-      :func:`train_step` (``"auto"`` needs its jitted step).
+    has_aux: ``loss_fn`` returns ``(loss, aux)``: float aux leaves are averaged
+      with the weights, integer and bool leaves summed.
+    weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens);
+      ``None`` weighs all equally.
+    accum_dtype: the accumulator's dtype (float32; ``None``: the gradients').
+    has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
+      ``(loss, new_model_state)``; the function then takes ``(params,
+      model_state, batch, rng=None)``.
+    batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm running
+      statistics are updated: ``"sequential"`` (each micro-batch in turn),
+      ``"per_window"`` (once, from the pooled window) or ``"frozen"``
+      (docs/models.md).
+    compute_dtype: float params are cast to it (e.g. ``jnp.bfloat16``) before
+      ``loss_fn``; gradients come back in the params' dtype.
+    mesh, data_axis, param_specs, gather_params: accumulate data-parallel, one
+      reduction per window, with replicated or sharded params, as in
+      :func:`train_step` (docs/data_parallel.md); call under ``jax.jit``.
 
   Returns:
-    A function ``(params, batch, rng=None, *, num_real_microbatches=None) ->
-    (loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``; with
-    ``has_state``, ``(params, model_state, batch, rng=None, *,
-    num_real_microbatches=None) -> ((loss, new_model_state), grads)`` or
-    ``((loss, (aux, new_model_state)), grads)``. With
-    ``num_real_microbatches=m`` (an int or int32 scalar, ``1 <= m <= k``;
-    changing it does not recompile), only micro-batches ``0..m-1`` are
-    computed and count, as in :func:`train_step`. Micro-batch ``i`` gets the
-    key ``jax.random.fold_in(rng, i)`` (with ``mesh``, ``rng`` is first
-    folded with the device's index on the data axes).
+    ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss,
+    grads)`` (``((loss, aux), grads)`` with ``has_aux``; with ``has_state``
+    ``model_state`` after ``params`` and ``(loss, new_model_state)``). Micro-batch
+    ``i`` gets the key ``fold_in(rng, i)``; ``num_real_microbatches`` as in
+    :func:`train_step`.
 
   Raises:
     TypeError, ValueError: eagerly for a bad ``num_microbatches``, or a

@@ -1,6 +1,8 @@
 """One program, one micro-batch of memory: compiled structure, memory, tracing, state plumbing."""
 
 import re
+import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -17,6 +19,9 @@ from helpers import (
 )
 
 import gradaccum_jax as ga
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import memory_floor  # noqa: E402
 
 # Large enough that XLA:CPU's memory_analysis reports real temp sizes (it reports ~0 below ~16 MiB).
 D_IN, HIDDEN, B_MICRO = 512, 2048, 1024
@@ -213,19 +218,9 @@ def test_a_micro_step_that_does_not_close_the_window_copies_no_state():
 
 
 def min_scan_step(inner, k):
-  """The floor to compare with: a hand-written scan of the micro-batch gradients, their mean,
-  one inner update; no weights, checks, metrics or accumulator in a state."""
-
-  def step(params, state, batch):
-    def body(acc, i):
-      mb = ga.microbatch(batch, i, k)
-      return jax.tree.map(jnp.add, acc, jax.grad(xent_loss)(params, mb)), None
-
-    acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
-    updates, state = inner.update(jax.tree.map(lambda a: a / k, acc), state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
+  """The floor to compare with: benchmarks/memory_floor.py's minimal scan (the micro-batch
+  gradients from zeros, their mean, one inner update; no weights, checks or metrics)."""
+  return memory_floor.min_scan(xent_loss, inner, k)
 
 
 @pytest.mark.slow

@@ -124,10 +124,8 @@ def test_every_mode_equals_the_whole_batch_step(case):
   close(optax.apply_updates(params, updates), expected, params)
 
 
-@pytest.mark.slow
-@settings(max_examples=10, deadline=None, derandomize=True)
-@given(cases(), st.integers(0, 1), st.integers(0, 100))
-def test_a_nan_anywhere_voids_exactly_its_window(case, bad_window, where):
+def two_windows_one_bad(case, bad_window, where):
+  """``(params, [batch, batch])`` of a case, with a NaN at ``where`` in window ``bad_window``."""
   specs, k, b, weighted, seed, zero_mb = case
   assume(any(np.prod(shape) > 0 for _, shape in specs))  # else no gradient can see the NaN
   params, batch1 = make(specs, k, b, False, seed, None)
@@ -136,6 +134,15 @@ def test_a_nan_anywhere_voids_exactly_its_window(case, bad_window, where):
   x = np.asarray(batches[bad_window]["x"]).copy()
   x.flat[where % x.size] = np.nan
   batches[bad_window] = dict(batches[bad_window], x=jnp.asarray(x))
+  return params, batches
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(cases(), st.integers(0, 1), st.integers(0, 100))
+def test_a_nan_anywhere_voids_exactly_its_window(case, bad_window, where):
+  specs, k = case[:2]
+  params, batches = two_windows_one_bad(case, bad_window, where)
   tx = ga.accumulate(optax.sgd(LR), k)
   step = ga.train_step(loss_fn, tx)
   p, s = params, tx.init(params)
@@ -173,14 +180,8 @@ def test_a_nan_anywhere_voids_exactly_its_window_in_micro_step_and_with_model_st
   one: that window leaves params, adam's state and the float model state exactly as it found
   them (micro_step: whichever call of the window the NaN is in), counts one skipped window of
   two, and the other window trains, identically in both modes."""
-  specs, k, b, weighted, seed, zero_mb = case
-  assume(any(np.prod(shape) > 0 for _, shape in specs))
-  params, batch1 = make(specs, k, b, False, seed, None)
-  _, batch2 = make(specs, k, b, False, seed + 1, None)
-  batches = [batch1, batch2]
-  x = np.asarray(batches[bad_window]["x"]).copy()
-  x.flat[where % x.size] = np.nan
-  batches[bad_window] = dict(batches[bad_window], x=jnp.asarray(x))
+  specs, k = case[:2]
+  params, batches = two_windows_one_bad(case, bad_window, where)
   tx = ga.accumulate(optax.adam(LR), k)
   ms0 = {"mean": jnp.zeros(len(specs), jnp.float32)}
   fused = ga.train_step(stateful_loss, tx, has_state=True)
