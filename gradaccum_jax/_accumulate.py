@@ -440,7 +440,9 @@ class _Accumulator:
         updates, inner = self._inner_update(mean_fn(), inner, p, extra_args)
         return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), inner
 
-      done, (updates, inner_state) = run_if(ok, run, (params, state.inner_state), with_done=True)
+      done, (updates, inner_state) = loop_once_if(
+        ok, run, (params, state.inner_state), with_done=True
+      )
       # Zeros (``done`` is False), written once the update has read the sums: a caller that
       # scanned into a donated accumulator gets them in its buffer, not a copy of it.
       cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
@@ -619,13 +621,13 @@ def _flagged(fn: Any, flag: bool) -> Any:
   return lambda *args: (jnp.asarray(flag), *fn(*args))
 
 
-def run_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
-  """``fn(carry)`` if ``pred``, else ``carry``, without copying ``carry``.
+def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
+  """``fn(carry)`` if ``pred``, else ``carry``: a ``while_loop`` of 0 or 1 trips.
 
-  A ``lax.cond`` whose other branch passes the carry through makes XLA copy every array of it
-  (the inner optimizer's state included) whenever that branch is taken, and a ``jnp.where``
-  between the new and the old state keeps the old one alive and so copies it too; a
-  ``while_loop`` of 0 or 1 trips updates its carry in place.
+  The donated fused step closes its window in one: the loop updates its carry (params, inner
+  state) in place, where a ``jnp.where`` between the new and the old state keeps the old one
+  alive and copies it. Not reverse-differentiable; the streaming calls close in a ``lax.cond``
+  whose branches only read the accumulator (:func:`clear_after`).
 
   ``with_done``: returns ``(done, result)``, ``done`` the loop's predicate at its exit: always
   False, but XLA does not know it, so a select on it is an operation that follows the loop.

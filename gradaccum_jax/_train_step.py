@@ -15,9 +15,9 @@ from gradaccum_jax._accumulate import (
   AccumulateState,
   add_noise_window,
   as_accumulate,
+  loop_once_if,
   noise_estimates,
   noise_scale,
-  run_if,
 )
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure
 from gradaccum_jax._microbatch import MicrobatchedGrad
@@ -250,7 +250,7 @@ def merge_open_window(
     # took temp memory and slowed the micro-batch loop (tests/test_program.py).
     return merged, jax.tree.map(lambda m: jnp.where(is_open, jnp.zeros_like(m), m), merged)
 
-  return run_if(is_open, merge, (grads, state.acc_grads))
+  return loop_once_if(is_open, merge, (grads, state.acc_grads))
 
 
 def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts) -> dict:
