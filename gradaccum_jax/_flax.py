@@ -15,7 +15,7 @@ from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._checks import check_batch
 from gradaccum_jax._microbatch import microbatch
 from gradaccum_jax._options import LossSpec, make_options, split_output
-from gradaccum_jax._sharding import AutoGatherStep
+from gradaccum_jax._sharding import auto_gather
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -307,6 +307,7 @@ def linen_train_step(
     >>> int(state.step), int(state.opt_state.count), metrics["loss"].shape
     (1, 1, ())
   """
+  settings = dict(locals())  # the arguments, for the "auto" policy's two steps
   options = make_options(
     "linen_train_step",
     loss_fn,
@@ -326,29 +327,9 @@ def linen_train_step(
   if gather_params == "auto":  # one step per policy, run as their compiled memory says
     if not jit:
       raise ValueError("linen_train_step: gather_params='auto' compiles the step; it needs jit.")
-    return AutoGatherStep(
-      {
-        g: linen_train_step(
-          module,
-          loss_fn,
-          batchnorm=batchnorm,
-          batchnorm_momentum=batchnorm_momentum,
-          has_aux=has_aux,
-          weight_fn=weight_fn,
-          inputs=inputs,
-          train_kwargs=train_kwargs,
-          rng_collections=rng_collections,
-          donate=donate,
-          compute_dtype=compute_dtype,
-          mesh=mesh,
-          data_axis=data_axis,
-          param_specs=param_specs,
-          gather_params=g,
-        )
-        for g in ("once", "per_microbatch")
-      },
-      options.parallel.budget,
-    )
+    one = {**settings, "memory_budget_bytes": None}  # each policy's step, as the user asked
+    del one["gather_params"]
+    return auto_gather(lambda g: linen_train_step(**one, gather_params=g), options.parallel.budget)
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   name = model.name
 

@@ -9,7 +9,7 @@ from typing import Any
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._model_state import batchnorm_leaves
 from gradaccum_jax._options import LossSpec, make_options, split_output
-from gradaccum_jax._sharding import AutoGatherStep
+from gradaccum_jax._sharding import auto_gather
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -163,6 +163,7 @@ def nnx_train_step(
     >>> int(optimizer.step[...]), int(optimizer.opt_state.count[...])
     (1, 1)
   """
+  settings = dict(locals())  # the arguments, for the "auto" policy's two steps
   nnx = _import_nnx()
   options = make_options(
     "nnx_train_step",
@@ -182,24 +183,9 @@ def nnx_train_step(
     momentum_from_model=True,
   )
   if gather_params == "auto":  # one step per policy, run as their compiled memory says
-    return AutoGatherStep(
-      {
-        g: nnx_train_step(
-          loss_fn,
-          has_aux=has_aux,
-          weight_fn=weight_fn,
-          batchnorm=batchnorm,
-          compute_dtype=compute_dtype,
-          mesh=mesh,
-          data_axis=data_axis,
-          param_specs=param_specs,
-          donate=donate,
-          gather_params=g,
-        )
-        for g in ("once", "per_microbatch")
-      },
-      options.parallel.budget,
-    )
+    one = {**settings, "memory_budget_bytes": None}  # each policy's step, as the user asked
+    del one["gather_params"]
+    return auto_gather(lambda g: nnx_train_step(**one, gather_params=g), options.parallel.budget)
   has_aux = bool(has_aux)
 
   def step(model, optimizer, batch, *, num_real_microbatches=None):

@@ -647,3 +647,9 @@ class AutoGatherStep:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self._steps[self.chosen_gather_params(*args, **kwargs)](*args, **kwargs)
+
+
+def auto_gather(build: Callable[[str], Any], budget: int) -> AutoGatherStep:
+  """``gather_params="auto"`` for any front end: ``build(gather)`` makes its step for one
+  policy; the :class:`AutoGatherStep` runs the one whose compiled memory fits ``budget``."""
+  return AutoGatherStep({g: build(g) for g in ("once", "per_microbatch")}, budget)

@@ -23,7 +23,7 @@ from gradaccum_jax._checks import check_real_microbatches, check_same_structure
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import NoiseSums, keep_if_voided, keeps_running_means, merge_gradients
-from gradaccum_jax._sharding import AutoGatherStep, place_params
+from gradaccum_jax._sharding import auto_gather, place_params
 
 
 def train_step(
@@ -118,14 +118,12 @@ def train_step(
   if gather_params == "auto":
     if not jit:
       raise ValueError("train_step: gather_params='auto' compiles the step, so it needs jit=True.")
-    steps = {
-      g: wrap_step(
-        fused_step(opts.with_gather(g), acc, in_place=donate),
-        has_state=opts.has_state, donate=donate, jit=True, k=lambda args: k,
-      )
-      for g in ("once", "per_microbatch")
-    }  # fmt: skip
-    return AutoGatherStep(steps, opts.parallel.budget)
+
+    def build(g):
+      fused = fused_step(opts.with_gather(g), acc, in_place=donate)
+      return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=True, k=lambda a: k)
+
+    return auto_gather(build, opts.parallel.budget)
   fused = fused_step(opts, acc, in_place=donate and jit)
   return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=jit, k=lambda args: k)
 
