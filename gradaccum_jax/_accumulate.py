@@ -407,8 +407,9 @@ class _Accumulator:
     results go to new buffers anyway) keep the old values alive while the new ones are
     written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
 
-    ``branch`` (streaming calls, which close inside a ``lax.cond``): a voided window is
-    decided by a ``lax.cond`` too, whose kept branch passes params and inner state through:
+    ``branch`` (streaming calls, which close inside a ``lax.cond``; without ``apply``): a
+    voided window is decided by a ``lax.cond`` too, whose kept branch passes the inner state
+    through:
     reverse-differentiable, and no select keeps the old inner state beside the new. The new
     state's ``acc_grads`` is then ``acc_grads`` itself, for the caller to clear after its
     ``lax.cond`` (:func:`clear_after`): a branch that only reads the accumulator lets XLA keep
@@ -450,17 +451,11 @@ class _Accumulator:
 
       def run(carry):
         p, inner = carry
-        updates, inner = self._inner_update(mean_fn(), inner, p, extra_args)
-        if apply:
-          updates = jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates)
-        return updates, inner
+        return self._inner_update(mean_fn(), inner, p, extra_args)
 
       def keep(carry):
-        p, inner = carry
-        if apply:
-          return p, inner
         shapes = jax.eval_shape(run, carry)[0]
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), carry[1]
 
       updates, inner_state = jax.lax.cond(ok, run, keep, (params, state.inner_state))
       cleared = acc_grads
@@ -490,7 +485,7 @@ class _Accumulator:
     return updates, new_state, jnp.sqrt(sq)
 
   def _closer(self, params, grad_like, extra_args):
-    """``close((updates, state)) -> (updates, state)`` on the state's open window."""
+    """``close(state) -> (updates, state)`` on the state's open window (a ``lax.cond`` branch)."""
 
     def close(state):
       acc, weight = state.acc_grads, state.acc_weight
@@ -579,7 +574,7 @@ class _Accumulator:
     if isinstance(k, int) and k == 1:
       return clear_after(jnp.ones((), bool), *close(held))
     closes = micro_step >= self.window_size(state.count)
-    return clear_after(*jax.lax.cond(closes, _flagged(close, True), _holder(close), held))
+    return clear_after(*jax.lax.cond(closes, _flagged(close), _holder(close), held))
 
   def flush(
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
@@ -592,7 +587,7 @@ class _Accumulator:
 
     held = state._replace(updated=jnp.zeros((), bool))
     closes = state.micro_step > 0
-    return clear_after(*jax.lax.cond(closes, _flagged(close, True), _holder(close), held))
+    return clear_after(*jax.lax.cond(closes, _flagged(close), _holder(close), held))
 
 
 def clear_after(closed: Any, updates: Updates, state: AccumulateState) -> tuple[Any, Any]:
@@ -616,9 +611,9 @@ def _holder(close: Any) -> Any:
   return hold
 
 
-def _flagged(fn: Any, flag: bool) -> Any:
-  """``fn`` returning ``(flag, *fn(...))``: a branch of a ``lax.cond`` that says it ran."""
-  return lambda *args: (jnp.asarray(flag), *fn(*args))
+def _flagged(fn: Any) -> Any:
+  """``fn`` returning ``(True, *fn(...))``: a branch of a ``lax.cond`` that says it ran."""
+  return lambda *args: (jnp.ones((), bool), *fn(*args))
 
 
 def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:

@@ -306,7 +306,7 @@ class MicroStep:
     empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), (partial, noise))
     new_params = place_params(lay.dp, optax.apply_updates(params, updates))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
-    # copied adam's mu and nu in the branch that holds (2 A more; tests/test_program.py).
+    # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
     acc_state = state.accumulate
     metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
     return new_params, new_model_state, _with_partials(state, *empty), metrics
