@@ -51,6 +51,7 @@ try:
 except ModuleNotFoundError:  # run from a source tree without installing
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import gradaccum_jax as ga
+import side_by_side  # noqa: E402  (benchmarks/side_by_side.py: the MLP's loss)
 import transformer  # noqa: E402  (benchmarks/transformer.py: the LM)
 
 MIB = 2**20
@@ -64,18 +65,11 @@ def mlp_model(sizes=(784, 1024, 1024, 10), b=32):
     for m, n in zip(sizes[:-1], sizes[1:], strict=True)
   ]
 
-  def loss_fn(p, mb):
-    h = mb["x"]
-    for layer in p[:-1]:
-      h = jax.nn.relu(h @ layer["w"] + layer["b"])
-    logits = h @ p[-1]["w"] + p[-1]["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
-
   micro = {
     "x": jax.ShapeDtypeStruct((b, sizes[0]), jnp.float32),
     "y": jax.ShapeDtypeStruct((b,), jnp.int32),
   }
-  return params, loss_fn, micro
+  return params, side_by_side.loss_fn, micro
 
 
 LM = transformer.Config(d=256, heads=4, layers=4, seq=128, vocab=4096, b=4, k=4, rounds=1,

@@ -128,24 +128,8 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
       current = None
     elif current is not None:
       current.append(line)
-  stack = [
-    name
-    for lines in comps.values()
-    for line in lines
-    if re.search(r"\swhile\(", line)
-    for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
-  ]
-  in_loop = _reachable(comps, stack)
-  branches = [
-    name
-    for lines in comps.values()
-    for line in lines
-    if re.search(r"\sconditional\(", line)
-    for name in re.findall(r"(?:true_computation|false_computation)=%([\w.\-]+)", line)
-    + [c.strip().lstrip("%") for m in re.findall(r"branch_computations=\{([^}]*)\}", line)
-       for c in m.split(",")]
-  ]  # fmt: skip
-  in_branch = _reachable(comps, branches)
+  in_loop = _reachable(comps, _called_by(comps, "while"))
+  in_branch = _reachable(comps, _called_by(comps, "conditional"))
   found = []
   for name, lines in comps.items():
     for m in map(_OP.match, lines):
@@ -161,6 +145,18 @@ def hlo_collectives(text: str) -> list[dict[str, Any]]:
           "in_branch": name in in_branch,
         })  # fmt: skip
   return found
+
+
+def _called_by(comps: dict[str, list[str]], op: str) -> list[str]:
+  """The computations every ``op`` instruction (``while``, ``conditional``) calls directly."""
+  return [
+    one or many_name.strip().lstrip("%")
+    for lines in comps.values()
+    for line in lines
+    if re.search(rf"\s{op}\(", line)
+    for one, many in _CALLED.findall(line)
+    for many_name in ([""] if one else many.split(","))
+  ]
 
 
 def _reachable(comps: dict[str, list[str]], roots: list[str]) -> set[str]:

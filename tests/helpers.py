@@ -104,25 +104,23 @@ def reachable(comps, roots):
   return seen
 
 
-def in_while_loops(comps):
-  """The while bodies and conditions, and every computation they call (fusions, nested loops)."""
-  roots = [
-    name
+def called_by(comps, op):
+  """The computations every ``op`` instruction (``while``, ``conditional``) calls directly."""
+  return [
+    one or name.strip().lstrip("%")
     for lines in comps.values()
     for line in lines
-    if re.search(r"\swhile\(", line)
-    for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
+    if re.search(rf"\s{op}\(", line)
+    for one, many in _CALLED.findall(line)
+    for name in ([""] if one else many.split(","))
   ]
-  return reachable(comps, roots)
+
+
+def in_while_loops(comps):
+  """The while bodies and conditions, and every computation they call (fusions, nested loops)."""
+  return reachable(comps, called_by(comps, "while"))
 
 
 def in_branches(comps):
   """The branches of every conditional, and every computation they call."""
-  roots = []
-  for lines in comps.values():
-    for line in lines:
-      if re.search(r"\sconditional\(", line):
-        roots += re.findall(r"(?:true_computation|false_computation)=%([\w.\-]+)", line)
-        for many in re.findall(r"branch_computations=\{([^}]*)\}", line):
-          roots += [c.strip().lstrip("%") for c in many.split(",")]
-  return reachable(comps, roots)
+  return reachable(comps, called_by(comps, "conditional"))
