@@ -97,6 +97,49 @@ class NoiseScaleState(NamedTuple):
   examples: jax.Array
 
 
+class MicroStepState(NamedTuple):
+  """State of a :func:`micro_step`: an :class:`AccumulateState` and the open window's loss sums.
+
+  Every mode takes it (``tx.update``, :func:`train_step`, :func:`flush` total the device slots
+  and drop the loss sums), and :func:`micro_step` takes theirs.
+
+  Attributes:
+    accumulate: the :class:`AccumulateState`, as ``tx.init(params)`` makes it, except with a
+      mesh: ``acc_grads``, ``acc_weight`` and the open-window noise sums (``sq_sum``, ``num``,
+      ``examples``) have a leading axis of ``D`` slots, one per data-parallel device, sharded
+      over the data axes; the window's sums are their total.
+    loss_sum: :math:`\\sum_i w_i L_i` over the open window (float32; ``(D,)`` with a mesh).
+    aux_sum: with ``has_aux``, the open window's aux sums (a leading ``D`` axis with a mesh).
+    window_start: with ``has_state``, the model state as the open window found it, which a
+      voided window restores; None until the first call.
+  """
+
+  accumulate: AccumulateState
+  loss_sum: jax.Array
+  aux_sum: Any = None
+  window_start: Any = None
+
+
+def slot_totals(state: Any) -> Any:
+  """The :class:`AccumulateState` of ``state`` (a :class:`MicroStepState` is unwrapped, its
+  device slots summed: they have a leading axis iff ``acc_weight`` does); others unchanged."""
+  if not isinstance(state, MicroStepState):
+    return state
+  acc = state.accumulate
+  if jnp.ndim(acc.acc_weight) == 0:
+    return acc
+  total = lambda x: jnp.sum(x, axis=0)  # noqa: E731
+  acc = acc._replace(acc_grads=jax.tree.map(total, acc.acc_grads), acc_weight=total(acc.acc_weight))
+  ns = acc.noise_scale
+  if ns is not None:
+    acc = acc._replace(
+      noise_scale=ns._replace(
+        sq_sum=total(ns.sq_sum), num=total(ns.num), examples=total(ns.examples)
+      )
+    )
+  return acc
+
+
 def add_noise_sums(
   ns: NoiseScaleState, sq: jax.Array, weight: jax.Array | None, examples: Any = 1.0
 ) -> NoiseScaleState:
@@ -175,6 +218,7 @@ def noise_scale(state: AccumulateState) -> jax.Array:
     >>> round(float(ga.noise_scale(state)), 4)
     0.6667
   """
+  state = state.accumulate if isinstance(state, MicroStepState) else state
   if not isinstance(state, AccumulateState):
     raise TypeError(f"noise_scale expects an AccumulateState, got {type(state).__name__}.")
   if state.noise_scale is None:
@@ -267,6 +311,7 @@ def has_updated(state: AccumulateState) -> jax.Array:
     >>> bool(ga.has_updated(state))
     True
   """
+  state = state.accumulate if isinstance(state, MicroStepState) else state
   if not isinstance(state, AccumulateState):
     raise TypeError(
       f"has_updated expects an AccumulateState, got {type(state).__name__}."
@@ -358,7 +403,9 @@ class _Accumulator:
     return jnp.maximum(check_scheduled_k(k(count)), 1)
 
   def check_state(self, state: Any) -> AccumulateState:
-    """``state`` if it is an :class:`AccumulateState` with every part this transformation uses."""
+    """``state`` if it is an :class:`AccumulateState` with every part this transformation uses
+    (a :class:`MicroStepState`'s, its device slots summed)."""
+    state = slot_totals(state)
     if not isinstance(state, AccumulateState):
       raise TypeError(
         "state must be tx.init(params) of this ga.accumulate transformation (an"

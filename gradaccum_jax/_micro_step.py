@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,9 @@ from gradaccum_jax._accumulate import (
   MEAN_GRADIENT,
   Accumulate,
   AccumulateState,
+  MicroStepState,
   as_accumulate,
+  slot_totals,
 )
 from gradaccum_jax._checks import check_batch, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
@@ -30,33 +32,6 @@ from gradaccum_jax._sharding import (
   place_params,
   reduce_over_data,
 )
-
-
-class MicroStepState(NamedTuple):
-  """State of a :func:`micro_step`: the accumulation state and the open window's loss sums.
-
-  Attributes:
-    accumulate: the :class:`AccumulateState` of ``tx``, as ``tx.init(params)``
-      makes it, except with a mesh: its ``acc_grads`` leaves, ``acc_weight``
-      and (with the noise scale) the open-window sums ``sq_sum``, ``num`` and
-      ``examples`` of ``noise_scale`` have a leading axis of length ``D``,
-      the devices on the data axes, sharded over them: slot ``d`` holds device
-      ``d``'s partial sums, and the window's sums are their total.
-    loss_sum: :math:`\\sum_i w_i L_i` over the open window (float32; shape ``(D,)``
-      with a mesh).
-    aux_sum: with ``has_aux``, the open window's aux sums (float leaves
-      weighted, integer leaves counted; a leading ``D`` axis with a mesh);
-      else None.
-    window_start: with ``has_state``, the model state as the open window
-      found it, which a voided window restores (float leaves); None until the
-      first call unless ``init`` was given ``model_state``.
-  """
-
-  accumulate: AccumulateState
-  loss_sum: jax.Array
-  aux_sum: Any
-  window_start: Any = None
-
 
 _REPLICATED = P()
 
@@ -88,16 +63,21 @@ class _Layout:
     sharding = NamedSharding(self.dp.mesh, self.spec(spec))
     return jnp.zeros((self.devices, *shape), dtype, device=sharding)
 
-  def total(self, x: jax.Array, per_device: bool) -> jax.Array:
-    """The sum over the device slots of ``x`` (``x`` itself without them)."""
-    return jnp.sum(x, axis=0) if per_device else x
+  def first_slot(self, x: jax.Array, spec: P = _REPLICATED) -> jax.Array:
+    """``x`` in the first of ``D`` slots (the others zero), placed as the slots are."""
+    x = _place(x, self.dp.mesh, spec)  # gathered over the data axes (a sharded accumulator)
+    slots = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x)).at[0].set(x)
+    return _place(slots, self.dp.mesh, self.spec(spec))
 
 
-def _partials(state: MicroStepState) -> tuple[Sums, Any]:
-  acc = state.accumulate
-  ns = acc.noise_scale
+def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> tuple[Sums, Any]:
+  """The sums a call adds to: of a :class:`MicroStepState`, or of an :class:`AccumulateState`
+  with the ``loss`` and ``aux`` sums given."""
+  if isinstance(state, MicroStepState):
+    state, loss, aux = state.accumulate, state.loss_sum, state.aux_sum
+  ns = state.noise_scale
   noise = () if ns is None else NoiseSums(ns.sq_sum, ns.num, ns.examples)
-  return Sums(acc.acc_grads, acc.acc_weight, state.loss_sum, state.aux_sum), noise
+  return Sums(state.acc_grads, state.acc_weight, loss, aux), noise
 
 
 def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepState:
@@ -178,14 +158,9 @@ class MicroStep:
     return MicroStepState(acc, lay.zeros((), jnp.float32), aux_sum, start)
 
   def to_accumulate_state(self, state: MicroStepState) -> AccumulateState:
-    """The state as ``tx.init`` lays it out: the device slots summed (the open window's
-    loss and aux sums are dropped). Pass it to :func:`train_step`, ``tx.update`` or
-    :func:`flush`, or convert it to another step's layout with :meth:`convert_state`."""
-    state = self._check(state)
-    per_device = self._layout.dp is not None
-    sums, noise = _partials(state)
-    total = lambda t: jax.tree.map(lambda x: self._layout.total(x, per_device), t)  # noqa: E731
-    return _with_partials(state, total(sums), total(noise)).accumulate
+    """The state as ``tx.init`` lays it out: the device slots summed (the open window's loss
+    and aux sums dropped), as ``tx.update``, :func:`train_step` and :func:`flush` take it."""
+    return slot_totals(self._check(state))
 
   def convert_state(
     self, state: MicroStepState | AccumulateState, like: MicroStepState
@@ -229,17 +204,44 @@ class MicroStep:
     return _with_partials(state._replace(accumulate=acc), *moved)
 
   def _check(self, state: Any) -> MicroStepState:
+    if isinstance(state, AccumulateState):
+      state = MicroStepState(state, jnp.zeros((), jnp.float32))
     if not isinstance(state, MicroStepState):
-      hint = (
-        " An AccumulateState (tx.init, train_step) converts with step.convert_state(state, params)."
-        if isinstance(state, AccumulateState)
-        else ""
-      )
       raise TypeError(
-        f"state must be step.init(params) of this micro_step, got {type(state).__name__}.{hint}"
+        "state must be tx.init(params), step.init(params) or the state a ga step returned,"
+        f" got {type(state).__name__}."
       )
     self._acc.check_state(state.accumulate)
     return state
+
+  def _in_layout(self, state, params, microbatch, model_state, rng) -> MicroStepState:
+    """``state`` (any mode's, from any mesh) in this step's layout: saved device slots
+    totalled into the first slot, the aux sums made (as zeros) where the state has none."""
+    state, lay = self._check(state), self._layout
+    if self._opts.loss.has_aux and state.aux_sum is None:
+      key = None if rng is None else jax.random.key(0)
+      _, aux, _ = jax.eval_shape(self._opts.loss.call, params, model_state, microbatch, key)
+      state = state._replace(aux_sum=jax.tree.map(lambda a: jnp.zeros(a.shape, sum_dtype(a)), aux))
+    weight = state.accumulate.acc_weight
+    slots = jnp.shape(weight)[0] if jnp.ndim(weight) else None
+    if slots == (None if lay.dp is None else lay.devices):
+      return state
+    sums, noise = _partials(slot_totals(state), state.loss_sum, state.aux_sum)
+    if slots is not None:  # the loss and aux sums (the others are totalled)
+      sums = sums._replace(
+        loss=jnp.sum(sums.loss, 0), aux=jax.tree.map(lambda x: jnp.sum(x, 0), sums.aux)
+      )
+    if lay.dp is not None:
+      specs = jax.tree.leaves(lay.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
+      grads = jax.tree.structure(sums.grads).unflatten(
+        [
+          lay.first_slot(g, P(*s[1:]))
+          for g, s in zip(jax.tree.leaves(sums.grads), specs, strict=True)
+        ]
+      )
+      rest = jax.tree.map(lay.first_slot, (sums._replace(grads=()), noise))
+      sums, noise = rest[0]._replace(grads=grads), rest[1]
+    return _with_partials(state, sums, noise)
 
   # --- the call -----------------------------------------------------------------------------
 
@@ -258,7 +260,7 @@ class MicroStep:
     return self._step(params, model_state, state, microbatch, rng)
 
   def _step(self, params, model_state, state, microbatch, rng):
-    state = self._check(state)
+    state = self._in_layout(state, params, microbatch, model_state, rng)
     acc_state = state.accumulate
     rows = check_batch(microbatch, 1)
     lay = self._layout
@@ -456,7 +458,7 @@ def micro_step(
 
   For a data loader that yields micro-batches: ``step(params, state, microbatch,
   rng=None)`` adds the micro-batch's :math:`w_i g_i` and :math:`w_i L_i` to the sums
-  in ``state = step.init(params)``; the call that completes the window of
+  in ``state`` (``tx.init(params)``, or any mode's state); the call that completes the window of
   ``tx = ga.accumulate(inner, k)`` applies ``inner`` once to
   :math:`G = \sum_i w_i g_i / \sum_i w_i` (with ``value=`` the window's mean loss)
   through the same closing code as :func:`train_step`, in a ``lax.cond`` that
@@ -477,15 +479,15 @@ def micro_step(
 
   Returns:
     A :class:`MicroStep`: ``step(params, state, microbatch, rng=None) -> (params,
-    state, metrics)`` (``has_state``: ``model_state`` after ``params``, in and
+    state, metrics)``, the state a ``MicroStepState`` that every mode takes (``has_state``: ``model_state`` after ``params``, in and
     out). ``metrics``: ``"updated"``, ``"micro_step"`` and, for the window a call
     closes, ``"loss"``, ``"grad_norm"``, ``"weight"`` (``"aux"``); NaN on the
     other calls. ``step.init(params, microbatch=None, model_state=None)`` makes
     the state (a micro-batch for ``has_aux``; ``model_state`` spares a retrace).
 
   Raises:
-    TypeError, ValueError: for a ``tx`` not from :func:`accumulate`, a state not
-      from ``step.init``, the mesh errors of :func:`train_step`, or a micro-batch
+    TypeError, ValueError: for a ``tx`` not from :func:`accumulate`, a state that
+      is not ``tx``'s, the mesh errors of :func:`train_step`, or a micro-batch
       whose rows the data-parallel devices do not divide.
 
   Examples:
@@ -496,7 +498,7 @@ def micro_step(
     >>> tx = ga.accumulate(optax.sgd(0.1), num_microbatches=2)
     >>> step = ga.micro_step(loss_fn, tx)
     >>> params = jnp.zeros(3)
-    >>> state = step.init(params)
+    >>> state = tx.init(params)
     >>> for i in range(2):
     ...   mb = {"x": jnp.ones((4, 3)), "y": jnp.full(4, 1.0 + i)}
     ...   params, state, metrics = step(params, state, mb)

@@ -238,6 +238,10 @@ def test_a_window_saved_on_a_mesh_resumes_without_one_and_in_the_fused_step():
   p1, _, metrics = run_window(single, jax.device_get(p), restored, batch, k, calls=range(2, 4))
   assert bool(metrics["updated"])
   assert_trees_close(p1, expected)
+  # Or the saved state as it is: the step totals its 8 slots on the first call.
+  p1, _, metrics = run_window(single, jax.device_get(p), saved, batch, k, calls=range(2, 4))
+  assert bool(metrics["updated"])
+  assert_trees_close(p1, expected)
 
   # The same open window, summed into tx.init's layout, closed by the fused step on the rest.
   open_window = on_mesh.to_accumulate_state(state)
@@ -250,6 +254,60 @@ def test_a_window_saved_on_a_mesh_resumes_without_one_and_in_the_fused_step():
   fused = ga.train_step(xent_loss, ga.accumulate(inner, 2))
   p2, _, _ = fused(jax.device_get(p), jax.device_get(open_window), rest)
   assert_trees_close(p2, expected)
+
+
+# --- one state for every mode -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
+def test_from_tx_init_it_equals_train_step_window_for_window_and_the_modes_share_a_state(specs):
+  """On 8 devices: windows 1 and 3 streamed by micro_step, window 2 fused by train_step, each
+  starting from the state the other returned (tx.init's first), equal train_step alone; the
+  streamed step compiles twice (tx.init's state, then its own layout), not once per call."""
+  mesh, k = mesh_1d(), 4
+  params = init_mlp(jax.random.key(0), SIZES)
+  batches = [data(D * k, key) for key in (1, 2, 3)]
+  tx = ga.accumulate(optax.adam(1e-2), k)
+  kw = {"mesh": mesh, "param_specs": specs}
+  fused = ga.train_step(xent_loss, tx, **kw)
+  traces = []
+  streamed = ga.micro_step(lambda p, mb: (traces.append(1), xent_loss(p, mb))[1], tx, **kw)
+  place = lambda t: put(t, mesh, P() if specs is None else specs)  # noqa: E731
+  pf, sf = place(params), tx.init(place(params))
+  p, s = place(params), tx.init(place(params))
+  for i, batch in enumerate(batches):
+    pf, sf, mf = fused(pf, sf, put(batch, mesh, P("data")))
+    if i == 1:
+      p, s, m = fused(p, s, put(batch, mesh, P("data")))
+      assert isinstance(s, ga.AccumulateState)
+    else:
+      p, s, m = run_window(streamed, p, s, batch, k, mesh)
+      assert type(s).__name__ == "MicroStepState" and bool(ga.has_updated(s))
+    assert_trees_close(p, pf)
+    np.testing.assert_allclose(m["loss"], mf["loss"], rtol=1e-5)
+    # Two programs (tx.init's layout in, then the step's own), each tracing the loss twice;
+    # none more for window 3 (train_step's state has tx.init's layout).
+    assert len(traces) == 4, (i, len(traces))
+
+
+def test_tx_update_and_flush_close_a_window_micro_step_opened():
+  """One streamed call of a 2-window, then tx.update (and, from the same state, ga.flush) on
+  its state: the window is the two micro-batches' (the one micro-batch's with flush)."""
+  k, lr = 2, 0.1
+  params = init_mlp(jax.random.key(0), SIZES)
+  batch = data(8 * k)
+  tx = ga.accumulate(optax.sgd(lr), k)
+  step = ga.micro_step(xent_loss, tx)
+  mbs = [ga.microbatch(batch, i, k) for i in range(k)]
+  _, state, _ = step(params, tx.init(params), mbs[0])
+  grads = [jax.grad(xent_loss)(params, mb) for mb in mbs]
+  updates, closed = tx.update(grads[1], state, params)
+  assert bool(ga.has_updated(closed)) and isinstance(closed, ga.AccumulateState)
+  expected = jax.tree.map(lambda a, b: -lr * (a + b) / 2, *grads)
+  assert_trees_close(updates, expected)
+  flushed, _ = ga.flush(tx, state, params)
+  assert_trees_close(flushed, jax.tree.map(lambda a: -lr * a, grads[0]))
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -268,8 +326,8 @@ def test_bad_states_and_arguments():
   params = init_mlp(jax.random.key(0), SIZES)
   tx = ga.accumulate(optax.sgd(0.1), 2)
   step = ga.micro_step(xent_loss, tx)
-  with pytest.raises(TypeError, match=r"step.convert_state\(state, params\)|convert_state"):
-    step(params, tx.init(params), data(4))
+  with pytest.raises(TypeError, match=r"state must be tx.init\(params\).* got tuple"):
+    step(params, tx.init(params).inner_state, data(4))
   with pytest.raises(TypeError, match=r"made by ga.accumulate"):
     ga.micro_step(xent_loss, optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"pass a micro-batch to init"):
