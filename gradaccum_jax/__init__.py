@@ -6,11 +6,9 @@ from gradaccum_jax._accumulate import Accumulate as Accumulate
 from gradaccum_jax._accumulate import AccumulateState as AccumulateState
 from gradaccum_jax._accumulate import DynamicLossScale as DynamicLossScale
 from gradaccum_jax._accumulate import LossScaleState as LossScaleState
-from gradaccum_jax._accumulate import NoiseScaleState as NoiseScaleState
 from gradaccum_jax._accumulate import accumulate as accumulate
 from gradaccum_jax._accumulate import flush as flush
 from gradaccum_jax._accumulate import has_updated as has_updated
-from gradaccum_jax._accumulate import noise_scale as noise_scale
 from gradaccum_jax._autosize import auto_microbatch as auto_microbatch
 from gradaccum_jax._autosize import step_memory as step_memory
 from gradaccum_jax._equivalence import EquivalenceReport as EquivalenceReport
@@ -22,6 +20,8 @@ from gradaccum_jax._micro_step import micro_step as micro_step
 from gradaccum_jax._microbatch import microbatch as microbatch
 from gradaccum_jax._microbatch import value_and_grad as value_and_grad
 from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
+from gradaccum_jax._noise import NoiseScaleState as NoiseScaleState
+from gradaccum_jax._noise import noise_scale as noise_scale
 from gradaccum_jax._ramp import ramp_train_step as ramp_train_step
 from gradaccum_jax._train_step import train_step as train_step
 

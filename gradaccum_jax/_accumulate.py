@@ -18,6 +18,14 @@ from gradaccum_jax._checks import (
   check_trainable,
   check_weight,
 )
+from gradaccum_jax._noise import (
+  NoiseScaleState,
+  add_noise,
+  after_window,
+  init_state,
+  open_sums,
+  with_sums,
+)
 from gradaccum_jax._parts import Weighting, add_gradients, mean_of, sq_norm
 
 Params = optax.Params
@@ -63,40 +71,6 @@ class AccumulateState(NamedTuple):
   noise_scale: NoiseScaleState | None = None
 
 
-class NoiseScaleState(NamedTuple):
-  r"""State of the gradient noise scale estimate (McCandlish et al., 2018).
-
-  Each closed window with ``n >= 2`` micro-batches of positive weight gives
-  unbiased estimates of :math:`|G|^2` (the squared norm of the true gradient)
-  and :math:`\mathrm{tr}(\Sigma)` (the trace of the per-example gradient
-  covariance), see :func:`accumulate`; their exponential moving averages are
-  kept separately and :func:`noise_scale` returns their ratio
-  :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
-
-  Attributes:
-    g2_ema: EMA of the per-window estimates of :math:`|G|^2`, started at 0
-      (float32). Divide by ``1 - decay ** count`` for the bias-corrected value,
-      as in Adam; the correction cancels in :func:`noise_scale`.
-    trace_ema: EMA of the per-window estimates of :math:`\mathrm{tr}(\Sigma)`
-      (float32), likewise started at 0.
-    count: windows averaged into the EMAs (int32).
-    sq_sum: :math:`\sum_i w_i |g_i|^2` over the micro-batches of the open
-      window, as they were differentiated (times the loss scale squared)
-      (float32).
-    num: the number of micro-batches of positive weight in the open window;
-      with data parallelism, of per-device micro-batches (float32).
-    examples: the number of examples in the open window: the summed weights,
-      or ``k * b`` for an unweighted ``train_step`` (float32).
-  """
-
-  g2_ema: jax.Array
-  trace_ema: jax.Array
-  count: jax.Array
-  sq_sum: jax.Array
-  num: jax.Array
-  examples: jax.Array
-
-
 class MicroStepState(NamedTuple):
   """State of a :func:`micro_step`: an :class:`AccumulateState` and the open window's loss sums.
 
@@ -130,104 +104,8 @@ def slot_totals(state: Any) -> Any:
     return acc
   total = lambda x: jnp.sum(x, axis=0)  # noqa: E731
   acc = acc._replace(acc_grads=jax.tree.map(total, acc.acc_grads), acc_weight=total(acc.acc_weight))
-  ns = acc.noise_scale
-  if ns is not None:
-    acc = acc._replace(
-      noise_scale=ns._replace(
-        sq_sum=total(ns.sq_sum), num=total(ns.num), examples=total(ns.examples)
-      )
-    )
-  return acc
-
-
-def add_noise_sums(
-  ns: NoiseScaleState, sq: jax.Array, weight: jax.Array | None, examples: Any = 1.0
-) -> NoiseScaleState:
-  """Adds one micro-batch of squared gradient norm ``sq`` and weight ``weight`` (None: 1)."""
-  if weight is None:
-    return ns._replace(sq_sum=ns.sq_sum + sq, num=ns.num + 1.0, examples=ns.examples + examples)
-  pos = weight > 0
-  return ns._replace(
-    sq_sum=ns.sq_sum + jnp.where(pos, weight * sq, 0.0),
-    num=ns.num + pos.astype(jnp.float32),
-    examples=ns.examples + jnp.where(pos, weight, 0.0),
-  )
-
-
-def add_noise_window(ns: NoiseScaleState, sums: Any) -> NoiseScaleState:
-  """Adds a fused window's noise sums (a ``NoiseSums``) to the open window's."""
-  return ns._replace(
-    sq_sum=ns.sq_sum + sums.sq_sum, num=ns.num + sums.num, examples=ns.examples + sums.examples
-  )
-
-
-def noise_estimates(
-  acc_grads: Updates, acc_weight: jax.Array, ns: NoiseScaleState, scale: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-  r"""Unbiased estimates of :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)` from one window.
-
-  With :math:`W = \sum_i w_i`, :math:`A = \sum_i w_i |g_i|^2 / W`,
-  :math:`\bar g = \sum_i w_i g_i / W`, ``n`` micro-batches and ``N`` examples
-  (see :func:`accumulate` for the derivation):
-  :math:`|G|^2 \approx (n |\bar g|^2 - A) / (n - 1)` and
-  :math:`\mathrm{tr}(\Sigma) \approx N (A - |\bar g|^2) / (n - 1)`. Both are
-  NaN when ``n < 2`` or the window is empty.
-  """
-  valid = (ns.num > 1.5) & (acc_weight > 0)
-  weight = jnp.where(acc_weight > 0, acc_weight, 1.0)
-  gbar2 = sq_norm(mean_of(acc_grads, acc_weight))  # of the scaled gradients, with loss scaling
-  gbar2 = gbar2 if scale is None else gbar2 / scale**2
-  mean_sq = ns.sq_sum / weight if scale is None else ns.sq_sum / weight / scale**2
-  n1 = jnp.where(valid, ns.num - 1.0, 1.0)
-  g2 = (ns.num * gbar2 - mean_sq) / n1
-  trace = ns.examples * (mean_sq - gbar2) / n1
-  nan = jnp.float32(jnp.nan)
-  return jnp.where(valid, g2, nan), jnp.where(valid, trace, nan)
-
-
-def noise_scale(state: AccumulateState) -> jax.Array:
-  r"""The simple gradient noise scale :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
-
-  The ratio of the moving averages in ``state.noise_scale`` (their bias
-  corrections cancel), in examples (or tokens, or whatever the weights count;
-  micro-batches for unweighted streaming calls). It is the batch size at which
-  the gradient noise equals the signal (McCandlish et al., 2018); NaN before
-  the first estimated window, and noisy (even negative) while the EMAs hold
-  few windows.
-
-  Args:
-    state: an :class:`AccumulateState` of ``ga.accumulate(...,
-      noise_scale_ema=decay)``.
-
-  Returns:
-    A float32 scalar array.
-
-  Raises:
-    TypeError: if ``state`` is not an :class:`AccumulateState`.
-    ValueError: if the state has no noise scale estimate.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import gradaccum_jax as ga
-    >>> tx = ga.accumulate(optax.sgd(0.0), 2, noise_scale_ema=0.9)
-    >>> params = jnp.zeros(2)
-    >>> state = tx.init(params)
-    >>> for g in (jnp.array([3.0, 0.0]), jnp.array([1.0, 0.0])):
-    ...   _, state = tx.update(g, state, params, weight=1.0)
-    >>> # |gbar|^2 = 4, A = (9 + 1) / 2 = 5: |G|^2 ~ 2 * 4 - 5 = 3, tr(Sigma) ~ 2 * (5 - 4) = 2
-    >>> round(float(ga.noise_scale(state)), 4)
-    0.6667
-  """
-  state = state.accumulate if isinstance(state, MicroStepState) else state
-  if not isinstance(state, AccumulateState):
-    raise TypeError(f"noise_scale expects an AccumulateState, got {type(state).__name__}.")
-  if state.noise_scale is None:
-    raise ValueError(
-      "This state has no noise scale estimate: make the transformation with"
-      " ga.accumulate(inner, k, noise_scale_ema=0.99)."
-    )
-  ns = state.noise_scale
-  return ns.trace_ema / ns.g2_ema
+  noise = jax.tree.map(total, open_sums(acc.noise_scale))
+  return acc._replace(noise_scale=with_sums(acc.noise_scale, noise))
 
 
 class LossScaleState(NamedTuple):
@@ -387,13 +265,7 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=self.inner.init(params),
       loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
-      noise_scale=None
-      if self.noise_scale_ema is None
-      else NoiseScaleState(
-        *(jnp.zeros((), jnp.float32),) * 2,
-        jnp.zeros((), jnp.int32),
-        *(jnp.zeros((), jnp.float32),) * 3,
-      ),
+      noise_scale=None if self.noise_scale_ema is None else init_state(),
     )
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
@@ -527,7 +399,9 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
       loss_scale=loss_scale,
-      noise_scale=self._next_noise(state, acc_grads, acc_weight, ok),
+      noise_scale=None
+      if state.noise_scale is None
+      else after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale),
     )
     return updates, new_state, jnp.sqrt(sq)
 
@@ -569,25 +443,6 @@ class _Accumulator:
         ) from e
       raise
 
-  def _next_noise(self, state, acc_grads, acc_weight, ok) -> NoiseScaleState | None:
-    """The noise-scale EMAs after a window, updated if it was applied and estimable."""
-    noise = state.noise_scale
-    if noise is None:
-      return None
-    scale = None if state.loss_scale is None else state.loss_scale.scale
-    g2, trace = noise_estimates(acc_grads, acc_weight, noise, scale)
-    use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
-    d = self.noise_scale_ema
-    zero = jnp.zeros((), jnp.float32)
-    return NoiseScaleState(
-      g2_ema=jnp.where(use, d * noise.g2_ema + (1 - d) * g2, noise.g2_ema),
-      trace_ema=jnp.where(use, d * noise.trace_ema + (1 - d) * trace, noise.trace_ema),
-      count=jnp.where(use, optax.safe_increment(noise.count), noise.count),
-      sq_sum=zero,
-      num=zero,
-      examples=zero,
-    )
-
   def update(
     self,
     grads: Updates,
@@ -606,7 +461,7 @@ class _Accumulator:
     acc_weight = state.acc_weight + wt.total(w)
     if state.noise_scale is not None:
       state = state._replace(
-        noise_scale=add_noise_sums(state.noise_scale, sq_norm(grads), None if weight is None else w)
+        noise_scale=add_noise(state.noise_scale, sq_norm(grads), None if weight is None else w, 1.0)
       )
     micro_step = optax.safe_increment(state.micro_step)
     grad_like = grads if params is None else params

@@ -21,8 +21,9 @@ from gradaccum_jax._accumulate import (
 )
 from gradaccum_jax._checks import check_batch, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
+from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import NoiseSums, Sums, keep_if_voided, sum_dtype
+from gradaccum_jax._parts import Sums, keep_if_voided, sum_dtype
 from gradaccum_jax._sharding import (
   DataParallel,
   _leaf_plans,
@@ -75,19 +76,14 @@ def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> t
   with the ``loss`` and ``aux`` sums given."""
   if isinstance(state, MicroStepState):
     state, loss, aux = state.accumulate, state.loss_sum, state.aux_sum
-  ns = state.noise_scale
-  noise = () if ns is None else NoiseSums(ns.sq_sum, ns.num, ns.examples)
-  return Sums(state.acc_grads, state.acc_weight, loss, aux), noise
+  return Sums(state.acc_grads, state.acc_weight, loss, aux), open_sums(state.noise_scale)
 
 
 def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepState:
-  acc = state.accumulate._replace(acc_grads=sums.grads, acc_weight=sums.weight)
-  if isinstance(noise, NoiseSums):
-    acc = acc._replace(
-      noise_scale=acc.noise_scale._replace(
-        sq_sum=noise.sq_sum, num=noise.num, examples=noise.examples
-      )
-    )
+  acc = state.accumulate
+  acc = acc._replace(
+    acc_grads=sums.grads, acc_weight=sums.weight, noise_scale=with_sums(acc.noise_scale, noise)
+  )
   return state._replace(accumulate=acc, loss_sum=sums.loss, aux_sum=sums.aux)
 
 
@@ -405,12 +401,7 @@ class MicroStep:
     partial, noise = _partials(state)
     totals, total_noise = self._reduce(params, partial, noise)
     acc_state = state.accumulate
-    if isinstance(total_noise, NoiseSums):
-      acc_state = acc_state._replace(
-        noise_scale=acc_state.noise_scale._replace(
-          sq_sum=total_noise.sq_sum, num=total_noise.num, examples=total_noise.examples
-        )
-      )
+    acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
     loss = safe_mean(totals.loss, totals.weight)
     aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
     extra = {"value": loss, "grad": MEAN_GRADIENT}

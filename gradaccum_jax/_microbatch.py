@@ -17,12 +17,11 @@ from gradaccum_jax._checks import (
   check_trainable,
   is_inexact,
 )
+from gradaccum_jax._noise import NoiseSums, NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   Micro,
   ModelStateUnit,
-  NoiseSums,
-  NoiseUnit,
   Off,
   Sums,
   SumsUnit,

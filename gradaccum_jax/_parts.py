@@ -39,14 +39,6 @@ class Sums(NamedTuple):
   aux: Any  # inexact leaves: sum_i w_i aux_i; integer and bool leaves: sum_i aux_i
 
 
-class NoiseSums(NamedTuple):
-  """Sums for the gradient noise scale; additive like :class:`Sums`."""
-
-  sq_sum: jax.Array  # sum_i w_i |g_i|^2
-  num: jax.Array  # micro-batches of positive weight
-  examples: jax.Array  # examples (or tokens) they hold
-
-
 def sum_dtype(like: Any) -> Any:
   """The dtype a sum of ``like`` values is kept in: float32 or wider, int32 or wider."""
   dtype = jnp.result_type(like)
@@ -203,7 +195,7 @@ class Weighting:
       return sums, noise
     scale = lambda tree: jax.tree.map(lambda x: x / devices if is_inexact(x) else x, tree)  # noqa: E731
     sums = Sums(scale(sums.grads), jnp.asarray(num, jnp.float32), scale(sums.loss), scale(sums.aux))
-    if isinstance(noise, NoiseSums):
+    if noise:  # the noise scale's sums (an empty tuple when it is off)
       noise = noise._replace(sq_sum=noise.sq_sum / devices)
     return sums, noise
 
@@ -256,27 +248,6 @@ class Off:
 
   def finish(self, carry: tuple[()], num: Any) -> None:
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class NoiseUnit:
-  """Sums of squared micro-batch gradient norms, for the gradient noise scale."""
-
-  weighting: Weighting
-
-  def init(self, *args: Any) -> NoiseSums:
-    return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
-
-  def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
-    sq, w = sq_norm(m.grads), m.weight
-    if not self.weighting.weighted:
-      return NoiseSums(n.sq_sum + sq, n.num + 1.0, n.examples)  # examples: set by the caller
-    pos = w > 0
-    return NoiseSums(
-      n.sq_sum + jnp.where(pos, w * sq, 0.0),
-      n.num + pos.astype(jnp.float32),
-      n.examples + jnp.where(pos, w, 0.0),
-    )
 
 
 class ModelCarry(NamedTuple):

@@ -13,16 +13,15 @@ from gradaccum_jax._accumulate import (
   MEAN_GRADIENT,
   Accumulate,
   AccumulateState,
-  add_noise_window,
   as_accumulate,
   loop_once_if,
-  noise_estimates,
-  noise_scale,
 )
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure
 from gradaccum_jax._microbatch import MicrobatchedGrad
+from gradaccum_jax._noise import NoiseSums, add_window
+from gradaccum_jax._noise import window_metrics as noise_metrics
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import NoiseSums, keep_if_voided, keeps_running_means, merge_gradients
+from gradaccum_jax._parts import keep_if_voided, keeps_running_means, merge_gradients
 from gradaccum_jax._sharding import auto_gather, place_params
 
 
@@ -200,7 +199,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
       acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_place)
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
-      state = state._replace(noise_scale=add_noise_window(state.noise_scale, window.noise))
+      state = state._replace(noise_scale=add_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     new_params, new_state, grad_norm = acc.close(
@@ -266,7 +265,6 @@ def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts)
   if scale is not None:
     metrics["loss_scale"] = scale
   if isinstance(window.noise, NoiseSums):
-    g2, trace = noise_estimates(acc_grads, weight, state.noise_scale, scale)
-    metrics["noise_scale"] = noise_scale(new_state)
-    metrics["grad_sq_norm_est"], metrics["trace_sigma_est"] = g2, trace
+    ns = state.noise_scale
+    metrics.update(noise_metrics(ns, new_state.noise_scale, acc_grads, weight, scale))
   return metrics

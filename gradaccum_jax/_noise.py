@@ -1,0 +1,178 @@
+"""The gradient noise scale (McCandlish et al., 2018): its state, the sums a window adds, the
+per-window estimates and their moving averages. Derivation: docs/noise_scale.md."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax._parts import Micro, Weighting, mean_of, sq_norm
+
+
+class NoiseScaleState(NamedTuple):
+  r"""State of the gradient noise scale estimate: moving averages and the open window's sums.
+
+  A closed window with ``n >= 2`` micro-batches of positive weight gives unbiased estimates of
+  :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)`; :func:`noise_scale` is the ratio of their EMAs.
+
+  Attributes:
+    g2_ema: EMA of the estimates of :math:`|G|^2`, started at 0 (float32; divide by
+      ``1 - decay ** count`` for the bias-corrected value, which cancels in the ratio).
+    trace_ema: EMA of the estimates of :math:`\mathrm{tr}(\Sigma)`, started at 0 (float32).
+    count: windows averaged into the EMAs (int32).
+    sq_sum: :math:`\sum_i w_i |g_i|^2` over the open window's micro-batches, as they were
+      differentiated (times the loss scale squared) (float32).
+    num: micro-batches of positive weight in the open window (per-device ones on a mesh).
+    examples: examples in the open window: the summed weights, or ``k * b`` unweighted.
+  """
+
+  g2_ema: jax.Array
+  trace_ema: jax.Array
+  count: jax.Array
+  sq_sum: jax.Array
+  num: jax.Array
+  examples: jax.Array
+
+
+class NoiseSums(NamedTuple):
+  """A window's sums for the noise scale; additive like ``Sums`` (one psum on a mesh)."""
+
+  sq_sum: jax.Array  # sum_i w_i |g_i|^2
+  num: jax.Array  # micro-batches of positive weight
+  examples: jax.Array  # examples (or tokens) they hold
+
+
+def init_state() -> NoiseScaleState:
+  zero = jnp.zeros((), jnp.float32)
+  return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32), zero, zero, zero)
+
+
+def open_sums(ns: NoiseScaleState | None) -> NoiseSums | tuple[()]:
+  """The open window's sums of ``ns`` (``()`` without the noise scale)."""
+  return () if ns is None else NoiseSums(ns.sq_sum, ns.num, ns.examples)
+
+
+def with_sums(ns: NoiseScaleState | None, sums: NoiseSums | tuple[()]) -> Any:
+  """``ns`` holding ``sums`` as its open window's."""
+  return ns if ns is None else ns._replace(**sums._asdict())
+
+
+def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> Any:
+  """``sums`` (a :class:`NoiseSums` or :class:`NoiseScaleState`) after one micro-batch of
+  squared gradient norm ``sq``: of weight ``w`` (counting its examples), or unweighted
+  (``w=None``: it holds ``examples``)."""
+  if w is None:
+    return sums._replace(
+      sq_sum=sums.sq_sum + sq, num=sums.num + 1.0, examples=sums.examples + examples
+    )
+  pos = w > 0
+  return sums._replace(
+    sq_sum=sums.sq_sum + jnp.where(pos, w * sq, 0.0),
+    num=sums.num + pos.astype(jnp.float32),
+    examples=sums.examples + jnp.where(pos, w, 0.0),
+  )
+
+
+def add_window(ns: NoiseScaleState, sums: NoiseSums) -> NoiseScaleState:
+  """The open window's sums with a fused window's added."""
+  return ns._replace(
+    sq_sum=ns.sq_sum + sums.sq_sum, num=ns.num + sums.num, examples=ns.examples + sums.examples
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseUnit:
+  """The scan's unit for the noise sums (unweighted, the caller sets ``examples``)."""
+
+  weighting: Weighting
+
+  def init(self, *args: Any) -> NoiseSums:
+    return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
+
+  def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
+    return add_noise(n, sq_norm(m.grads), m.weight if self.weighting.weighted else None)
+
+
+def estimates(
+  acc_grads: Any, acc_weight: jax.Array, ns: NoiseScaleState, scale: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  r"""Unbiased estimates of :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)` from one window:
+  :math:`(n |\bar g|^2 - A) / (n - 1)` and :math:`N (A - |\bar g|^2) / (n - 1)`, with
+  :math:`A = \sum_i w_i |g_i|^2 / W`; NaN when ``n < 2`` or the window is empty."""
+  valid = (ns.num > 1.5) & (acc_weight > 0)
+  weight = jnp.where(acc_weight > 0, acc_weight, 1.0)
+  scale2 = 1.0 if scale is None else scale**2
+  gbar2 = sq_norm(mean_of(acc_grads, acc_weight)) / scale2  # the sums are of scaled gradients
+  mean_sq = ns.sq_sum / weight / scale2
+  n1 = jnp.where(valid, ns.num - 1.0, 1.0)
+  g2 = (ns.num * gbar2 - mean_sq) / n1
+  trace = ns.examples * (mean_sq - gbar2) / n1
+  nan = jnp.float32(jnp.nan)
+  return jnp.where(valid, g2, nan), jnp.where(valid, trace, nan)
+
+
+def after_window(
+  ns: NoiseScaleState, decay: float, acc_grads: Any, acc_weight: jax.Array, ok: Any, scale: Any
+) -> NoiseScaleState:
+  """The state after a window: EMAs moved if it was applied and estimable, sums emptied."""
+  g2, trace = estimates(acc_grads, acc_weight, ns, scale)
+  use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
+  ema = lambda old, new: jnp.where(use, decay * old + (1 - decay) * new, old)  # noqa: E731
+  count = jnp.where(use, optax.safe_increment(ns.count), ns.count)
+  return init_state()._replace(
+    g2_ema=ema(ns.g2_ema, g2), trace_ema=ema(ns.trace_ema, trace), count=count
+  )
+
+
+def noise_scale(state: Any) -> jax.Array:
+  r"""The simple gradient noise scale :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
+
+  The ratio of the moving averages in ``state.noise_scale``, in examples (or whatever the
+  weights count; micro-batches for unweighted streaming calls): the batch size at which the
+  gradient noise equals the signal. NaN before the first estimated window, and noisy while
+  the EMAs hold few windows. See docs/noise_scale.md.
+
+  Args:
+    state: the state of ``ga.accumulate(..., noise_scale_ema=decay)`` (any mode's).
+
+  Returns:
+    A float32 scalar array.
+
+  Raises:
+    TypeError: if ``state`` is not an accumulation state.
+    ValueError: if the state has no noise scale estimate.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.accumulate(optax.sgd(0.0), 2, noise_scale_ema=0.9)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for g in (jnp.array([3.0, 0.0]), jnp.array([1.0, 0.0])):
+    ...   _, state = tx.update(g, state, params, weight=1.0)
+    >>> # |gbar|^2 = 4, A = (9 + 1) / 2 = 5: |G|^2 ~ 2 * 4 - 5 = 3, tr(Sigma) ~ 2 * (5 - 4) = 2
+    >>> round(float(ga.noise_scale(state)), 4)
+    0.6667
+  """
+  ns = getattr(getattr(state, "accumulate", state), "noise_scale", False)  # any mode's state
+  if ns is False:
+    raise TypeError(f"noise_scale expects an AccumulateState, got {type(state).__name__}.")
+  if ns is None:
+    raise ValueError(
+      "This state has no noise scale estimate: make the transformation with"
+      " ga.accumulate(inner, k, noise_scale_ema=0.99)."
+    )
+  return ns.trace_ema / ns.g2_ema
+
+
+def window_metrics(
+  ns: NoiseScaleState, new: NoiseScaleState, acc_grads: Any, weight: jax.Array, scale: Any
+) -> dict[str, jax.Array]:
+  """A fused window's noise metrics: the new ratio and the window's own estimates."""
+  g2, trace = estimates(acc_grads, weight, ns, scale)
+  ratio = new.trace_ema / new.g2_ema
+  return {"noise_scale": ratio, "grad_sq_norm_est": g2, "trace_sigma_est": trace}
