@@ -39,25 +39,17 @@ class AccumulateState(NamedTuple):
   Attributes:
     micro_step: micro-batches accumulated in the open window (int32).
     count: windows closed so far, applied or voided (int32).
-    num_skipped: windows voided because their gradient was not finite or
-      their total weight was zero (int32). ``count - num_skipped`` windows
-      moved the parameters.
-    updated: whether the last call closed a window and moved the parameters
-      (bool). Read it with :func:`has_updated`.
-    acc_grads: the weighted sum ``sum_i w_i g_i`` of the open window, in
-      ``accum_dtype``, with the structure of the parameters. Leaves kept in a
-      float narrower than float32 (float16, bfloat16) hold the running weighted
-      mean ``sum_i w_i g_i / sum_i w_i`` instead, so that it stays
-      representable where the sum would overflow. Zeros when no window is
-      open (``micro_step == 0``): every call that closes a window clears it,
-      and a donated :func:`train_step` does not read it then.
-    acc_weight: the summed weight ``sum_i w_i`` of the open window (float32).
-    inner_state: the state of the inner optimizer, which only changes when a
-      window is applied.
-    loss_scale: a :class:`LossScaleState` with dynamic loss scaling
-      (``accumulate(..., loss_scale=ga.DynamicLossScale())``), else None.
-    noise_scale: a :class:`NoiseScaleState` with the gradient noise scale
-      estimate (``accumulate(..., noise_scale_ema=0.99)``), else None.
+    num_skipped: windows voided (non-finite gradient or zero total weight) (int32);
+      ``count - num_skipped`` windows moved the parameters.
+    updated: whether the last call closed a window and moved the parameters (bool);
+      read it with :func:`has_updated`.
+    acc_grads: the open window's :math:`\\sum_i w_i g_i`, in ``accum_dtype``, shaped as the
+      params; leaves narrower than float32 hold the running weighted mean instead (the sum
+      could overflow). Zeros when no window is open.
+    acc_weight: the open window's :math:`\\sum_i w_i` (float32).
+    inner_state: the inner optimizer's state; it changes only when a window is applied.
+    loss_scale: a :class:`LossScaleState` with ``loss_scale=``, else None.
+    noise_scale: a :class:`NoiseScaleState` with ``noise_scale_ema=``, else None.
   """
 
   micro_step: jax.Array
@@ -119,19 +111,10 @@ class LossScaleState(NamedTuple):
 class DynamicLossScale:
   """Dynamic loss scaling for float16 training, updated once per window.
 
-  The loss is multiplied by ``scale`` before differentiation (``ga.train_step``
-  does it; in streaming mode differentiate ``loss * state.loss_scale.scale``),
-  and the accumulated gradient is divided by it before the inner optimizer. The
-  scale is constant within a window. A window whose gradient overflows (Inf or
-  NaN) is skipped and the scale divided by ``factor`` (not below
-  ``min_scale``); after ``period`` applied windows in a row it is multiplied by
-  ``factor``.
-
-  Attributes:
-    initial_scale: the scale to start from.
-    period: applied windows without overflow before the scale grows.
-    factor: how much the scale shrinks or grows at a time.
-    min_scale: the scale never goes below this.
+  The loss is multiplied by ``scale`` before differentiation (``ga.train_step`` does it; in
+  streaming mode differentiate ``loss * state.loss_scale.scale``) and the window's gradient
+  divided by it. A window that overflows is skipped and the scale divided by ``factor`` (not
+  below ``min_scale``); after ``period`` applied windows in a row it is multiplied by it.
   """
 
   initial_scale: float = 2.0**15
@@ -165,16 +148,9 @@ class DynamicLossScale:
 
 
 def has_updated(state: AccumulateState) -> jax.Array:
-  """Whether the call that returned ``state`` closed a window and moved params.
+  """Whether the call that returned ``state`` (any mode's) closed a window and moved params.
 
-  False on micro-steps inside a window and on windows voided for non-finite
-  gradients or zero total weight.
-
-  Args:
-    state: an :class:`AccumulateState`.
-
-  Returns:
-    A boolean scalar array.
+  False inside a window and for a voided window (non-finite gradient, zero total weight).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -185,9 +161,6 @@ def has_updated(state: AccumulateState) -> jax.Array:
     >>> _, state = tx.update(jnp.ones(3), state, params)
     >>> bool(ga.has_updated(state))
     False
-    >>> _, state = tx.update(jnp.ones(3), state, params)
-    >>> bool(ga.has_updated(state))
-    True
   """
   state = state.accumulate if isinstance(state, MicroStepState) else state
   if not isinstance(state, AccumulateState):
@@ -310,32 +283,13 @@ class _Accumulator:
   ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
-    Returns the updates (with ``apply``: the new params, the updates applied to ``params``
-    where they are made, so no zero updates are written for a voided window), the new state
-    and the global norm of the mean gradient (float32). A
-    window with zero or non-finite total weight, or a non-finite mean gradient when
-    ``skip_nonfinite`` or loss scaling is on, is voided: zero updates, inner state kept. With
-    loss scaling, ``acc_grads`` holds scaled gradients. The inner optimizer's update takes
-    effect at most once, and only on a window that is applied.
-    One reduction, the squared norm of the mean, gives both the norm and the finiteness check
-    (a norm past float32's range, above 1.8e19, counts as non-finite).
-
-    ``in_place`` (with ``apply``, for params and state donated to the step): the inner update
-    runs in a loop of 0 or 1 trips, which writes the new params and inner state over the old
-    ones. Selects between new and old values (the default, best without donation, where the
-    results go to new buffers anyway) keep the old values alive while the new ones are
-    written, so under donation XLA first copies the inner state (adam's ``mu`` and ``nu``).
-
-    ``branch`` (streaming calls, which close inside a ``lax.cond``; without ``apply``): a
-    voided window is decided by a ``lax.cond`` too, whose kept branch passes the inner state
-    through:
-    reverse-differentiable, and no select keeps the old inner state beside the new. The new
-    state's ``acc_grads`` is then ``acc_grads`` itself, for the caller to clear after its
-    ``lax.cond`` (:func:`clear_after`): a branch that only reads the accumulator lets XLA keep
-    it in the state's buffer, where writing its zeros there would make it copy the sums.
-
-    ``norm_by_rows``: the norm sums each matrix by rows first (:func:`sq_norm`), for a step
-    whose arrays are not sharded over a mesh.
+    Returns the updates (with ``apply``: the new params), the new state and the mean
+    gradient's global norm (float32). A window of zero or non-finite total weight, or (with
+    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided: zero updates, the inner
+    state kept. The voided window is kept out by selects (the default), by a loop of 0 or 1
+    trips (``in_place``, with ``apply``, for a donated step), or by a ``lax.cond`` (``branch``:
+    streaming calls; the caller clears ``acc_grads`` after its own ``lax.cond``, see
+    :func:`clear_after`). Why each: docs/architecture.md, "Closing a window".
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -344,52 +298,17 @@ class _Accumulator:
       mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0), scale)
       return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
 
+    # One reduction gives the norm and the finiteness check (a norm above 1.8e19 counts as
+    # non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
-    ok = nonempty
-    loss_scale = state.loss_scale
+    ok, loss_scale = nonempty, state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:
-      finite = jnp.isfinite(sq)
-      ok = ok & finite
+      ok = ok & jnp.isfinite(sq)
       if self.loss_scale is not None:
-        loss_scale = self.loss_scale.next(state.loss_scale, finite, nonempty)
-
-    if apply and in_place:
-
-      def run(carry):
-        p, inner = carry
-        updates, inner = self._inner_update(mean_fn(), inner, p, extra_args)
-        return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), inner
-
-      done, (updates, inner_state) = loop_once_if(
-        ok, run, (params, state.inner_state), with_done=True
-      )
-      # Zeros (``done`` is False), written once the update has read the sums: a caller that
-      # scanned into a donated accumulator gets them in its buffer, not a copy of it.
-      cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
-    elif branch:
-
-      def run(carry):
-        p, inner = carry
-        return self._inner_update(mean_fn(), inner, p, extra_args)
-
-      def keep(carry):
-        shapes = jax.eval_shape(run, carry)[0]
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), carry[1]
-
-      updates, inner_state = jax.lax.cond(ok, run, keep, (params, state.inner_state))
-      cleared = acc_grads
-    else:
-      cleared = jax.tree.map(jnp.zeros_like, acc_grads)
-      updates, inner_state = self._inner_update(mean_fn(), state.inner_state, params, extra_args)
-      if apply:  # the new params, or the old ones for a voided window
-        updates = jax.tree.map(
-          lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates
-        )
-      else:
-        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-      inner_state = jax.tree.map(
-        lambda new, old: jnp.where(ok, new, old), inner_state, state.inner_state
-      )
+        loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
+    mode = self._in_loop if apply and in_place else self._in_branch if branch else self._in_selects
+    inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
+    updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state, apply)
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -404,6 +323,44 @@ class _Accumulator:
       else after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale),
     )
     return updates, new_state, jnp.sqrt(sq)
+
+  @staticmethod
+  def _in_loop(ok, inner, acc_grads, params, inner_state, apply):
+    """The new params and inner state written over the donated old ones, in a loop of 0 or 1
+    trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
+    del apply
+
+    def run(carry):
+      p, state = carry
+      updates, state = inner(p, state)
+      return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), state
+
+    done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
+    cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
+    return *out, cleared
+
+  @staticmethod
+  def _in_branch(ok, inner, acc_grads, params, inner_state, apply):
+    """Updates or zeros in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
+    del apply
+
+    def keep(carry):
+      shapes = jax.eval_shape(lambda c: inner(*c), carry)[0]
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), carry[1]
+
+    updates, inner_state = jax.lax.cond(ok, lambda c: inner(*c), keep, (params, inner_state))
+    return updates, inner_state, acc_grads
+
+  @staticmethod
+  def _in_selects(ok, inner, acc_grads, params, inner_state, apply):
+    """The inner update run, then selected (best undonated: the results are new buffers)."""
+    updates, new_inner = inner(params, inner_state)
+    if apply:  # the new params, or the old ones for a voided window
+      updates = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates)
+    else:
+      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+    new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
+    return updates, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
 
   def _closer(self, params, grad_like, extra_args):
     """``close(state) -> (updates, state)`` on the state's open window (a ``lax.cond`` branch)."""
@@ -493,18 +450,15 @@ class _Accumulator:
 
 
 def clear_after(closed: Any, updates: Updates, state: AccumulateState) -> tuple[Any, Any]:
-  """``(updates, state)`` with the accumulator zeroed where a window ``closed``: a select
-  after the ``lax.cond`` that read it, written in place over the sums. ``closed`` comes out
-  of the ``lax.cond`` (:func:`_flagged`): a predicate XLA knew before it would let it hoist
-  the select above the branch, which then reads a copy of the sums."""
+  """``(updates, state)`` with the accumulator zeroed where a window ``closed`` (a flag out of
+  the ``lax.cond`` that read it, so the zeros are written over the sums after it)."""
   acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
   return updates, state._replace(acc_grads=acc)
 
 
 def _holder(close: Any) -> Any:
   """The other branch of ``lax.cond(closes, close, ...)``: zero updates shaped as ``close``'s,
-  the state passed through (a ``lax.cond``, so that the call is reverse-differentiable; with
-  the state donated XLA passes it through in place)."""
+  the state passed through (in place when donated)."""
 
   def hold(state: AccumulateState) -> tuple[Any, Updates, AccumulateState]:
     shape = jax.eval_shape(close, state)[0]
@@ -519,16 +473,9 @@ def _flagged(fn: Any) -> Any:
 
 
 def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
-  """``fn(carry)`` if ``pred``, else ``carry``: a ``while_loop`` of 0 or 1 trips.
-
-  The donated fused step closes its window in one: the loop updates its carry (params, inner
-  state) in place, where a ``jnp.where`` between the new and the old state keeps the old one
-  alive and copies it. Not reverse-differentiable; the streaming calls close in a ``lax.cond``
-  whose branches only read the accumulator (:func:`clear_after`).
-
-  ``with_done``: returns ``(done, result)``, ``done`` the loop's predicate at its exit: always
-  False, but XLA does not know it, so a select on it is an operation that follows the loop.
-  """
+  """``fn(carry)`` if ``pred``, else ``carry``: a ``while_loop`` of 0 or 1 trips, which updates
+  its carry in place (not reverse-differentiable). ``with_done``: ``(done, result)``, ``done``
+  the predicate at the loop's exit, always False, but a select on it follows the loop."""
 
   def body(c):
     return jnp.zeros((), bool), _with_types_of(fn(c[1]), c[1])
@@ -603,95 +550,43 @@ def accumulate(
 ) -> Accumulate:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
-  Each call to ``update`` adds one micro-batch gradient ``g_i`` with weight
-  ``w_i`` (1 by default, or the ``weight=`` keyword, e.g. the number of
-  tokens in the micro-batch) to an accumulator. The ``k``-th call closes the
-  window: ``inner`` is applied once to the weighted mean
-
-  .. math::
-    G = \frac{\sum_i w_i g_i}{\sum_i w_i},
-
-  cast to the parameters' dtype, and its updates are returned; the other
-  calls return zero updates. For a mean loss this is exactly the update of
-  one batch ``k`` times larger. The inner optimizer, its counters and its
-  schedules see one step per window, and it is evaluated once per window
-  (and not at all for a voided one), not on every micro-step and masked as in
-  ``optax.MultiSteps``; a call that does not close the window does not copy
-  the inner optimizer's state. The window closes in a ``lax.cond``, so
-  ``jax.grad`` goes through ``update`` and :func:`flush` (meta-gradients).
-
-  Put everything that should see the accumulated gradient *inside*
-  ``inner`` (clipping, schedules via ``optax.inject_hyperparams``, weight
-  decay): a transformation chained after ``accumulate`` sees the zero
-  updates of every micro-step.
+  Each ``update`` adds a micro-batch gradient :math:`g_i` of weight :math:`w_i` (1, or
+  ``weight=``, e.g. its token count); the ``k``-th closes the window with one update of
+  ``inner`` on :math:`G = \sum_i w_i g_i / \sum_i w_i`, the update of one batch ``k`` times
+  larger for a mean loss; the other calls return zero updates and leave the inner state
+  alone. Put clipping, schedules and weight decay *inside* ``inner``: they then see ``G``
+  and count windows. Semantics, voided windows and the noise scale: docs/semantics.md.
 
   Args:
     inner: the optimizer to apply once per window.
-    num_microbatches: micro-batches per window ``k``: a positive int, or (in
-      streaming mode only) a schedule ``count -> int`` of the number of
-      windows closed so far.
-    accum_dtype: dtype of the accumulator, float32 by default whatever the
-      gradients' dtype; ``None`` accumulates in the gradients' dtype. Complex
-      gradients accumulate in the complex type of that precision (complex64
-      for float32). An accumulator narrower than float32 keeps the running
-      weighted mean (updated in float32), not the sum; it cannot be used with
-      ``mesh=``.
-    skip_nonfinite: if True, a window whose mean gradient has a NaN or Inf
-      (from any of its micro-batches) is voided: zero updates, inner state
-      unchanged, ``num_skipped`` incremented. A window whose total weight is
-      zero is always voided.
-    loss_scale: a :class:`DynamicLossScale` for float16 training: the state
-      carries the scale (``state.loss_scale.scale``), ``train_step`` scales the
-      loss by it, the accumulated gradient is unscaled before ``inner``, and a
-      window that overflows is skipped and the scale lowered, once per window.
-    noise_scale_ema: the decay ``d`` in ``[0, 1)`` (e.g. 0.99) of moving
-      averages of the gradient noise scale estimate, or ``None`` (off: nothing
-      extra is computed or stored). See below and :func:`noise_scale`.
-
-  Gradient noise scale: the spread of a window's micro-batch gradients gives
-  unbiased estimates of :math:`|G|^2` and :math:`\mathrm{tr}\Sigma` for one squared
-  norm per micro-batch; their moving averages give :func:`noise_scale`
-  (derivation, weights and data parallelism: docs/noise_scale.md).
+    num_microbatches: ``k``, a positive int, or (streaming only) a schedule
+      ``count -> k`` of the windows closed so far.
+    accum_dtype: the accumulator's dtype (float32 by default; None: the gradients'); a
+      float narrower than float32 keeps the running weighted mean, not the sum.
+    skip_nonfinite: void a window whose mean gradient has a NaN or Inf (zero updates, inner
+      state kept, ``num_skipped`` incremented); a zero total weight always voids it.
+    loss_scale: a :class:`DynamicLossScale` for float16 training, or None.
+    noise_scale_ema: the decay in ``[0, 1)`` of the gradient noise scale estimate's
+      moving averages (:func:`noise_scale`), or None (off, costs nothing).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is an
-    :class:`AccumulateState`. ``update(grads, state, params=None, *,
-    weight=None, **extra_args)`` forwards ``extra_args`` to ``inner``.
+    An :class:`Accumulate` (an ``optax.GradientTransformationExtraArgs``) whose state is an
+    :class:`AccumulateState`; ``update(grads, state, params=None, *, weight=None,
+    **extra_args)`` forwards ``extra_args`` to ``inner``.
 
   Raises:
-    TypeError, ValueError: for a ``num_microbatches`` that is not a positive
-      int or a schedule, or a ``noise_scale_ema`` outside ``[0, 1)``; in
-      ``update``, for grads whose structure or shapes
-      differ from the params, or a non-scalar ``weight``.
+    TypeError, ValueError: for settings out of range; in ``update``, for bad grads or weight.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax.numpy as jnp, optax
     >>> import gradaccum_jax as ga
     >>> tx = ga.accumulate(optax.sgd(1.0), num_microbatches=2)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
-    >>> for g in (jnp.array([1.0, 0.0]), jnp.array([3.0, 2.0])):
-    ...   updates, state = tx.update(g, state, params)
-    ...   params = optax.apply_updates(params, updates)
-    >>> params  # -1.0 * mean of the two gradients
-    Array([-2., -1.], dtype=float32)
-    >>> int(state.count), int(state.micro_step)
-    (1, 0)
-
-    Token-weighted micro-batches give the token-level mean of the window:
-
-    >>> state = tx.init(params)
     >>> _, state = tx.update(jnp.array([1.0, 1.0]), state, weight=1.0)
     >>> updates, state = tx.update(jnp.array([4.0, 4.0]), state, weight=3.0)
-    >>> updates  # -(1*1 + 3*4) / (1 + 3)
-    Array([-3.25, -3.25], dtype=float32)
-
-  References:
-    Goyal et al., `Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour
-    <https://arxiv.org/abs/1706.02677>`_, 2017.
-
-    McCandlish et al., `An Empirical Model of Large-Batch Training
-    <https://arxiv.org/abs/1812.06162>`_, 2018.
+    >>> updates, int(state.count)  # -(1*1 + 3*4) / (1 + 3)
+    (Array([-3.25, -3.25], dtype=float32), 1)
   """
   k = check_num_microbatches(num_microbatches, allow_schedule=True)
   if not isinstance(inner, optax.GradientTransformation):
@@ -737,20 +632,16 @@ def as_accumulate(tx: Any, what: str = "tx") -> Accumulate:
 def flush(
   tx: Accumulate, state: AccumulateState, params: Params | None = None, **extra_args: Any
 ) -> tuple[Updates, AccumulateState]:
-  r"""Closes the open window now, with the micro-batches accumulated so far.
+  r"""Closes the open window now, with the ``m < k`` micro-batches accumulated so far.
 
-  For the end of an epoch or a data file: ``inner`` is applied once to the
-  weighted mean :math:`G = \sum_i w_i g_i / \sum_i w_i` of the ``m < k``
-  micro-batches that streaming ``tx.update`` calls (or an open window of the
-  fused steps) have accumulated, exactly the update of one batch made of
-  them, and the next window starts empty. A window with no micro-batch gives
-  zero updates and the state unchanged (not counted as a step). Jit-able:
-  ``m`` may be traced.
+  For the end of an epoch: ``inner`` is applied once to their weighted mean
+  :math:`G = \sum_i w_i g_i / \sum_i w_i`, the update of one batch made of them, and the next
+  window starts empty. An empty window changes nothing. Jit-able (``m`` may be traced).
 
   Args:
     tx: a transformation made by :func:`accumulate`.
-    state: its :class:`AccumulateState`.
-    params: the params, for inner optimizers that need them (weight decay).
+    state: its state (any mode's).
+    params: the params, for inner optimizers that need them.
     **extra_args: forwarded to ``inner``.
 
   Returns:
