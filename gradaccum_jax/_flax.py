@@ -13,9 +13,9 @@ import jax
 
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._checks import check_batch
+from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import microbatch
 from gradaccum_jax._options import LossSpec, make_options, split_output
-from gradaccum_jax._sharding import auto_gather
 from gradaccum_jax._train_step import JitStep, fused_step
 
 

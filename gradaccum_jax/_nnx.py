@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum_jax._accumulate import as_accumulate
+from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._model_state import batchnorm_leaves
 from gradaccum_jax._options import LossSpec, make_options, split_output
-from gradaccum_jax._sharding import auto_gather
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -228,5 +228,7 @@ def nnx_train_step(
 
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
   return JitStep(
-    jitted, lambda args: as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step")
+    jitted,
+    lambda args: as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step"),
+    calls_compiled=False,
   )

@@ -1,28 +1,10 @@
 """Data-parallel and sharded-parameter accumulation: one reduction per window.
 
-``jax.jit`` of a ``lax.scan`` over a batch sharded on a ``data`` axis leaves the
-partitioning to GSPMD, which all-gathers the batch before the loop and
-all-reduces the gradient inside it, once per micro-batch. Here the scan runs
-under ``jax.shard_map`` over the data axes only (partial-manual: other mesh
-axes, e.g. ``"model"`` for tensor parallelism, stay under GSPMD inside the
-loss): every device splits its own rows into the ``k`` micro-batches and
-accumulates their gradients locally, with the params and the accumulator cast
-to device-varying (``jax.lax.pcast(..., to="varying")``) so that
-differentiating replicated params inserts no ``psum`` into the loop body.
-
-Params sharded over data axes (FSDP) follow a policy (``gather_params``):
-
-- ``"once"``: gathered once before the scan, kept gathered for the window,
-  the full-size local gradients reduce-scattered once after it.
-- ``"per_microbatch"``: kept sharded; each micro-batch gathers them and its
-  gradient is reduce-scattered into a sharded accumulator inside the loop.
-- ``"auto"``: the step is compiled both ways and the one whose compiled memory
-  fits ``memory_budget_bytes`` (``"once"`` first) is run (:class:`AutoGatherStep`).
-
-After the loop: one ``psum`` of everything additive and replicated (gradients
-of params replicated over the data axes, loss, weight, aux and noise sums), and
-the data-sharded gradients reduced as their policy says. The window is then
-closed outside the ``shard_map``, by the jitted (GSPMD) program.
+The scan runs under ``jax.shard_map`` over the data axes only (other axes stay GSPMD's), on
+each device's own rows, with the params cast to device-varying so the loop has no collective;
+one ``psum`` of everything additive follows it, and FSDP params are gathered and their
+gradients reduce-scattered once or per micro-batch (``gather_params``). See
+docs/data_parallel.md and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -38,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._checks import check_batch, is_inexact
+from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import Micro, Sums, SumsUnit, Weighting
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
@@ -65,23 +48,6 @@ class DataParallel:
 
   def with_gather(self, gather: str) -> DataParallel:
     return dataclasses.replace(self, gather=gather)
-
-
-def device_memory_budget(mesh: jax.sharding.Mesh, where: str) -> int:
-  """The memory limit of the mesh's first device (``memory_stats()["bytes_limit"]``).
-
-  The same reading as ``ga.auto_microbatch``'s default; a backend without it (CPU) raises.
-  """
-  device = mesh.devices.flat[0]
-  stats = device.memory_stats()
-  if not stats or "bytes_limit" not in stats:
-    raise ValueError(
-      f"{where}: gather_params='auto' compares the compiled memory of both policies with a"
-      f" budget, but the device ({device.platform}: {device}) reports no memory limit"
-      f" (memory_stats() is {stats!r}). Pass memory_budget_bytes=, the bytes per device the"
-      " step may use."
-    )
-  return int(stats["bytes_limit"])
 
 
 def make_data_parallel(
@@ -582,74 +548,3 @@ def place_params(dp: DataParallel | None, tree: Any) -> Any:
   specs = [p.spec for p in _leaf_plans(dp, tree)]
   leaves = [_place(x, dp.mesh, s) for x, s in zip(jax.tree.leaves(tree), specs, strict=True)]
   return jax.tree.structure(tree).unflatten(leaves)
-
-
-def compiled_bytes(analysis: Any) -> int:
-  """Per-device bytes of a compiled program: temp + arguments + outputs - aliased outputs."""
-  return int(
-    analysis.temp_size_in_bytes
-    + analysis.argument_size_in_bytes
-    + analysis.output_size_in_bytes
-    - analysis.alias_size_in_bytes
-  )
-
-
-class AutoGatherStep:
-  """A jitted step with ``gather_params="auto"``: for each new signature of its arguments
-  (shapes, dtypes, shardings), both policies are lowered and compiled (nothing runs) and the
-  step runs ``"once"`` if its compiled memory fits the budget, else ``"per_microbatch"``.
-
-  ``chosen_gather_params(*args)`` tells which (compiling if needed, not running);
-  ``gather_params_bytes(*args)`` gives the per-device bytes of each (``temp + arguments +
-  outputs - aliased``, from ``compiled.memory_analysis()``).
-  """
-
-  def __init__(self, steps: dict[str, Any], budget: int):
-    self._steps, self.budget = steps, budget
-    self._bytes: dict[Any, dict[str, int]] = {}
-
-  @staticmethod
-  def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    return treedef, tuple(
-      (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
-    )
-
-  def gather_params_bytes(self, *args: Any, **kwargs: Any) -> dict[str, int]:
-    """``{"once": bytes, "per_microbatch": bytes}`` per device for these arguments."""
-    key = self._key(args, kwargs)
-    if key not in self._bytes:
-      lower_kwargs = dict(kwargs)
-      if lower_kwargs.get("num_real_microbatches") is not None:
-        lower_kwargs["num_real_microbatches"] = jnp.asarray(
-          lower_kwargs["num_real_microbatches"], jnp.int32
-        )
-      found = {}
-      for gather, step in self._steps.items():
-        analysis = step.lower(*args, **lower_kwargs).compile().memory_analysis()
-        if analysis is None:
-          raise RuntimeError(
-            f"The {jax.default_backend()} backend returns no compiled.memory_analysis(), so"
-            " gather_params='auto' cannot compare the policies; pass 'once' or"
-            " 'per_microbatch'."
-          )
-        found[gather] = compiled_bytes(analysis)
-      self._bytes[key] = found
-    return self._bytes[key]
-
-  def chosen_gather_params(self, *args: Any, **kwargs: Any) -> str:
-    """``"once"`` if its compiled memory fits the budget, else ``"per_microbatch"``."""
-    return (
-      "once"
-      if self.gather_params_bytes(*args, **kwargs)["once"] <= self.budget
-      else ("per_microbatch")
-    )
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self._steps[self.chosen_gather_params(*args, **kwargs)](*args, **kwargs)
-
-
-def auto_gather(build: Callable[[str], Any], budget: int) -> AutoGatherStep:
-  """``gather_params="auto"`` for any front end: ``build(gather)`` makes its step for one
-  policy; the :class:`AutoGatherStep` runs the one whose compiled memory fits ``budget``."""
-  return AutoGatherStep({g: build(g) for g in ("once", "per_microbatch")}, budget)

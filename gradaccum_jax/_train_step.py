@@ -17,12 +17,13 @@ from gradaccum_jax._accumulate import (
   loop_once_if,
 )
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure
+from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import NoiseSums, add_window
 from gradaccum_jax._noise import window_metrics as noise_metrics
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import keep_if_voided, keeps_running_means, merge_gradients
-from gradaccum_jax._sharding import auto_gather, place_params
+from gradaccum_jax._sharding import place_params
 
 
 def train_step(
@@ -155,16 +156,21 @@ class JitStep:
   """A jitted step that checks ``num_real_microbatches`` before the call and passes it as an
   int32 array, so Python ints and arrays of every value share one compiled program.
 
-  Everything else (``lower``, ``trace``, ...) is the jitted function's.
+  Everything else (``lower``, ``trace``, ...) is the jitted function's. ``calls_compiled``:
+  a program compiled from ``lower`` runs on the same arguments (not so for ``nnx.jit``).
   """
 
-  def __init__(self, jitted: Callable[..., Any], k: Callable[[tuple[Any, ...]], int]):
-    self._jitted, self._k = jitted, k
+  def __init__(self, jitted: Callable[..., Any], k: Callable[..., int], calls_compiled=True):
+    self._jitted, self._k, self.calls_compiled = jitted, k, calls_compiled
 
-  def __call__(self, *args: Any, num_real_microbatches: Any = None, **kwargs: Any) -> Any:
-    if num_real_microbatches is not None:
-      num_real_microbatches = check_real_microbatches(num_real_microbatches, self._k(args))
-    return self._jitted(*args, num_real_microbatches=num_real_microbatches, **kwargs)
+  def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The checked ``num_real_microbatches`` of a call's ``kwargs``."""
+    num_real = kwargs.get("num_real_microbatches")
+    return None if num_real is None else check_real_microbatches(num_real, self._k(args))
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    kwargs["num_real_microbatches"] = self.check(args, kwargs)
+    return self._jitted(*args, **kwargs)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._jitted, name)

@@ -194,6 +194,31 @@ def test_auto_runs_once_when_it_fits_the_budget():
 
 
 @pytest.mark.slow
+def test_auto_compiles_each_policy_once_and_runs_the_program_it_compiled():
+  """Traces of the loss: one program per policy to choose, none more for the calls (the
+  chosen program runs as compiled; before, the call compiled it a third time)."""
+  mesh, k = mesh_1d(), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  tx = ga.accumulate(optax.sgd(0.1), k)
+  traced = []
+  loss = lambda p, mb: (traced.append(1), xent_loss(p, mb))[1]  # noqa: E731
+  auto = ga.train_step(loss, tx, mesh=mesh, param_specs=FSDP, gather_params="auto",
+                       memory_budget_bytes=1)  # fmt: skip
+  p = put(params, mesh, FSDP)
+  args = (p, tx.init(p), put(data(D * k), mesh, P("data")))
+  assert auto.chosen_gather_params(*args) == "per_microbatch"
+  per_program = len(traced) // 2
+  assert per_program >= 1 and len(traced) == 2 * per_program
+  p1, _, _ = auto(*args)
+  p2, _, _ = auto(*args)
+  assert len(traced) == 2 * per_program, traced
+  plain = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params="per_microbatch")
+  assert_trees_close(p1, plain(*args)[0])
+  with pytest.raises(ValueError, match="num_real_microbatches"):
+    auto(*args, num_real_microbatches=k + 1)
+
+
+@pytest.mark.slow
 def test_value_and_grad_per_microbatch_matches_jax_value_and_grad():
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
