@@ -26,12 +26,12 @@ from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import Sums, keep_if_voided, sum_dtype
 from gradaccum_jax._sharding import (
   DataParallel,
-  _leaf_plans,
-  _off_data,
-  _place,
-  _reduce_state,
+  leaf_plans,
+  off_data,
+  place,
   place_params,
   reduce_over_data,
+  reduce_state,
 )
 
 _REPLICATED = P()
@@ -54,7 +54,7 @@ class _Layout:
     return jax.tree.map(lambda _: self.spec(), tree)
 
   def grad_specs(self, params: Any) -> Any:
-    plans = _leaf_plans(self.dp, params)
+    plans = leaf_plans(self.dp, params)
     return jax.tree.structure(params).unflatten([self.spec(p.model_spec) for p in plans])
 
   def zeros(self, shape: tuple[int, ...], dtype: Any, spec: P = _REPLICATED) -> jax.Array:
@@ -66,9 +66,9 @@ class _Layout:
 
   def first_slot(self, x: jax.Array, spec: P = _REPLICATED) -> jax.Array:
     """``x`` in the first of ``D`` slots (the others zero), placed as the slots are."""
-    x = _place(x, self.dp.mesh, spec)  # gathered over the data axes (a sharded accumulator)
+    x = place(x, self.dp.mesh, spec)  # gathered over the data axes (a sharded accumulator)
     slots = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x)).at[0].set(x)
-    return _place(slots, self.dp.mesh, self.spec(spec))
+    return place(slots, self.dp.mesh, self.spec(spec))
 
 
 def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> tuple[Sums, Any]:
@@ -320,11 +320,11 @@ class MicroStep:
     """Every device adds its rows' sums to its own slot, with no gradient collective."""
     dp, lay = self._layout.dp, self._layout
     axes, mesh = dp.axes, dp.mesh
-    plans = _leaf_plans(dp, params)
+    plans = leaf_plans(dp, params)
     treedef = jax.tree.structure(params)
     # Data-sharded params are gathered over the data axes by GSPMD before the shard_map.
     params = treedef.unflatten(
-      [_place(x, mesh, p.model_spec) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
+      [place(x, mesh, p.model_spec) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
     )
     slot = lay.spec()
     grad_specs = lay.grad_specs(params)  # the slot axis, then each param's model axes
@@ -342,20 +342,19 @@ class MicroStep:
       # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
       sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices)
       new = _add(own, (sums, new_noise))
-      return jax.tree.map(lambda x: x[None], new), _reduce_state(w.model_state, axes)
+      return jax.tree.map(lambda x: x[None], new), reduce_state(w.model_state, axes)
 
     args = (params, mb, rng, partial, noise, model_state, scale)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
       args = (
         params,
-        jax.tree.map(lambda x: _place(x, mesh, dp.batch_spec), mb),
+        jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), mb),
         rng,
-        jax.tree.map(lambda x, s: _place(x, mesh, s), partial, partial_specs),
-        jax.tree.map(lambda x: _place(x, mesh, slot), noise),
+        jax.tree.map(lambda x, s: place(x, mesh, s), partial, partial_specs),
+        jax.tree.map(lambda x: place(x, mesh, slot), noise),
         # Replicated over the data axes only: state sharded over a model axis keeps it.
         *(
-          jax.tree.map(lambda x: _place(x, mesh, _off_data(x, axes)), a)
-          for a in (model_state, scale)
+          jax.tree.map(lambda x: place(x, mesh, off_data(x, axes)), a) for a in (model_state, scale)
         ),
       )
     add = jax.shard_map(
@@ -374,7 +373,7 @@ class MicroStep:
     dp, lay = self._layout.dp, self._layout
     if dp is None:
       return partial, noise
-    plans = _leaf_plans(dp, params)
+    plans = leaf_plans(dp, params)
     treedef = jax.tree.structure(params)
     partial_specs, noise_specs = lay.slots(partial), lay.slots(noise)
     out_grads = treedef.unflatten([p.manual for p in plans])

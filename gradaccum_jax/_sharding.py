@@ -10,6 +10,7 @@ docs/data_parallel.md and docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -135,7 +136,7 @@ def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
   return jax.tree.map(cast, tree)
 
 
-def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
+def place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   """Constrains ``x`` to ``NamedSharding(mesh, spec)`` (a reshard on explicit meshes)."""
   sharding = NamedSharding(mesh, spec)
   if any(t == AxisType.Explicit for t in mesh.axis_types):
@@ -143,7 +144,7 @@ def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _off_data(x: Any, axes: tuple[str, ...]) -> P:
+def off_data(x: Any, axes: tuple[str, ...]) -> P:
   """``x``'s spec (on an explicit mesh) without the data ``axes``: replicated over them."""
   kept = [tuple(n for n in _names(e) if n not in axes) for e in jax.typeof(x).sharding.spec]
   return P(*[None if not n else n[0] if len(n) == 1 else n for n in kept])
@@ -242,7 +243,7 @@ class _LeafPlan:
     return jax.lax.dynamic_slice_in_dim(g, self._index() * size, size, self.dim)
 
 
-def _leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
+def leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
   """One plan per params leaf from ``dp.param_specs`` (a pytree prefix of the params)."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
   if dp.param_specs is None:
@@ -416,111 +417,103 @@ def over_mesh(
   num_real: jax.Array | None,
   in_buffer: bool = False,
 ) -> Any:
-  """Runs ``local_sums`` on every device's rows under ``shard_map``, then reduces once.
-
-  ``local_sums(params, batch, rng, acc0, model_state, scale, num_real, vary_axes,
-  per_micro=None)`` is the single-device scan (it returns a ``Window``); its params are cast
-  to device-varying, so its loop body has no collective (but the gathers and
-  reduce-scatters of ``per_micro``, with ``gather_params="per_microbatch"``). After it: one
-  ``psum`` of everything additive (the gradients of params replicated over the data axes,
-  :class:`Sums` and :class:`NoiseSums`), the data-sharded gradients reduce-scattered (once)
-  or summed over the data axes they are replicated over (per micro-batch), float
-  model-state leaves averaged and integer ones maxed where they differ between devices.
-  Returns the ``Window`` of the whole global batch, its gradients added to ``acc_init``: with
-  ``in_buffer``, in the scan where a device's accumulator is its share of ``acc_init``
-  (``_LeafPlan.seeds``; the donated step's scan into the state's accumulator), after the
-  reduction otherwise.
-  """
+  """Runs ``local_sums`` (the single-device scan, returning a ``Window``) on every device's
+  rows under ``shard_map``, then reduces once (:func:`reduce_over_data`; model state with
+  :func:`reduce_state`). Returns the whole batch's ``Window``, its gradients added to
+  ``acc_init``: with ``in_buffer``, in the scan, where a device's accumulator is its share of
+  ``acc_init`` (``_LeafPlan.seeds``); after the reduction otherwise."""
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
       " Linen/NNX steps); here pass 'once' or 'per_microbatch'."
     )
   _check_global_batch(batch, dp, k)
-  axes, mesh = dp.axes, dp.mesh
   per_mb = dp.gather == "per_microbatch"
   plans = [
     dataclasses.replace(p, outside=p.dim is not None and p.model and not per_mb)
-    for p in _leaf_plans(dp, params)
+    for p in leaf_plans(dp, params)
   ]
   treedef = jax.tree.structure(params)
-  in_specs = treedef.unflatten([p.in_spec for p in plans])
-  out_specs = treedef.unflatten([p.manual for p in plans])
   acc_leaves = jax.tree.leaves(acc_init)
-  acc_dtypes = [jnp.result_type(a) for a in acc_leaves]
-  # Leaves whose per-device accumulator is shaped as their share of acc_init start the scan
-  # from it (in the state's own buffer when it is donated); the others add it after.
   seeded = [in_buffer and p.seeds(per_mb) for p in plans]
   seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
   seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
-  static = {}
-
-  def per_device(params, batch, rng, model_state, scale, num_real, seeds):
-    leaves = jax.tree.leaves(params)
-    if not per_mb:  # gathered once, before the scan
-      leaves = [x if p.outside else p.gather(x) for x, p in zip(leaves, plans, strict=True)]
-    if rng is not None:
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-    # Zeros like the params the gradients come from: on an explicit mesh they carry the same
-    # model sharding in their type, as the scan's carry must.
-    it = iter(seeds)
-    acc0 = treedef.unflatten([
-      p.seed(next(it), weighting.seed_factor(dp.size)) if s else jnp.zeros_like(x, dtype)
-      for x, dtype, p, s in zip(leaves, acc_dtypes, plans, seeded, strict=True)
-    ])  # fmt: skip
-    hook = PerMicrobatch(tuple(plans), axes) if per_mb else None
-    w = local_sums(
-      treedef.unflatten(leaves), batch, rng, acc0, model_state, scale, num_real, axes,
-      per_micro=hook,
-    )  # fmt: skip
-    static["window"] = w
-    grads, (sums, noise) = reduce_over_data(
-      plans, jax.tree.leaves(w.sums.grads), (w.sums._replace(grads=()), w.noise), axes, per_mb
-    )
-    sums, noise = weighting.per_device(
-      sums._replace(grads=treedef.unflatten(grads)), noise, dp.size, w.num
-    )
-    return sums, noise, _reduce_state(w.model_state, axes)
-
-  batch_spec = dp.batch_spec
+  static = {}  # the single-device Window, for its fields that need no reduction
+  per_device = functools.partial(
+    _per_device, dp, plans, treedef, local_sums, weighting, acc_leaves, seeded, static
+  )
   args = (params, batch, rng, model_state, scale, num_real)
-  explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-  if explicit or any(p.outside for p in plans):
-    # On an explicit mesh shard_map wants its inputs already laid out as in_specs.
-    params = treedef.unflatten(
-      [_place(x, mesh, p.layout) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
-    )
-    args = (params, *args[1:])
-  if explicit:
-    # The rest (model state, keys, scalars) replicated over the data axes only: model state
-    # sharded over a model axis (TP BatchNorm statistics) keeps it, as the scan carry must.
-    args = (
-      params,
-      jax.tree.map(lambda x: _place(x, mesh, batch_spec), batch),
-      *(jax.tree.map(lambda x: _place(x, mesh, _off_data(x, axes)), a) for a in args[2:]),
-    )
-    seeds = tuple(_place(a, mesh, p.layout) for a, p in zip(seeds, seed_plans, strict=True))
+  args, seeds = _laid_out(dp, plans, args, seeds, seed_plans)
   reduce = jax.shard_map(
     per_device,
-    mesh=mesh,
-    in_specs=(in_specs, batch_spec, P(), P(), P(), P(), tuple(p.manual for p in seed_plans)),
-    out_specs=(Sums(out_specs, P(), P(), P()), P(), P()),
-    axis_names=set(axes),
-  )
+    mesh=dp.mesh,
+    in_specs=(
+      treedef.unflatten([p.in_spec for p in plans]), dp.batch_spec, P(), P(), P(), P(),
+      tuple(p.manual for p in seed_plans),
+    ),
+    out_specs=(Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P()),
+    axis_names=set(dp.axes),
+  )  # fmt: skip
   sums, noise, new_state = reduce(*args, seeds)
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
+  num = k if num_real is None else num_real
   return static["window"]._replace(
-    sums=sums._replace(grads=grads),
-    noise=noise,
-    model_state=new_state,
-    num=k if num_real is None else num_real,
+    sums=sums._replace(grads=grads), noise=noise, model_state=new_state, num=num
   )
 
 
-def _reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
+def _per_device(dp, plans, treedef, local_sums, weighting, acc_leaves, seeded, static,
+                params, batch, rng, model_state, scale, num_real, seeds):  # fmt: skip
+  """``over_mesh``'s body on one device: its rows' scan, then the reduction over devices."""
+  per_mb = dp.gather == "per_microbatch"
+  leaves = jax.tree.leaves(params)
+  if not per_mb:  # gathered once, before the scan
+    leaves = [x if p.outside else p.gather(x) for x, p in zip(leaves, plans, strict=True)]
+  if rng is not None:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
+  # Zeros like the params the gradients come from (on an explicit mesh, with their model
+  # sharding in the type, as the scan's carry must), or this device's share of the seeds.
+  it, factor = iter(seeds), weighting.seed_factor(dp.size)
+  acc0 = treedef.unflatten([
+    p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
+    for x, a, p, s in zip(leaves, acc_leaves, plans, seeded, strict=True)
+  ])  # fmt: skip
+  hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
+  w = local_sums(
+    treedef.unflatten(leaves), batch, rng, acc0, model_state, scale, num_real, dp.axes,
+    per_micro=hook,
+  )  # fmt: skip
+  static["window"] = w
+  grads, (sums, noise) = reduce_over_data(
+    plans, jax.tree.leaves(w.sums.grads), (w.sums._replace(grads=()), w.noise), dp.axes, per_mb
+  )
+  sums = sums._replace(grads=treedef.unflatten(grads))
+  sums, noise = weighting.per_device(sums, noise, dp.size, w.num)
+  return sums, noise, reduce_state(w.model_state, dp.axes)
+
+
+def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_plans: list) -> tuple:
+  """``over_mesh``'s arguments placed as its ``shard_map`` takes them: params gathered over the
+  data axes where GSPMD gathers them (``outside``); on an explicit mesh, everything laid out
+  as the in_specs say, the rest (model state, keys, scalars) replicated over the data axes
+  only (model state sharded over a model axis keeps it, as the scan carry must)."""
+  mesh, explicit = dp.mesh, any(t == AxisType.Explicit for t in dp.mesh.axis_types)
+  params, batch, *rest = args
+  if explicit or any(p.outside for p in plans):
+    leaves = [place(x, mesh, p.layout) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
+    params = jax.tree.structure(params).unflatten(leaves)
+  if not explicit:
+    return (params, batch, *rest), seeds
+  batch = jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), batch)
+  rest = [jax.tree.map(lambda x: place(x, mesh, off_data(x, dp.axes)), a) for a in rest]
+  seeds = tuple(place(a, mesh, p.layout) for a, p in zip(seeds, seed_plans, strict=True))
+  return (params, batch, *rest), seeds
+
+
+def reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
   """Float leaves averaged over the devices where they differ; integer, bool (and PRNG key)
   leaves maxed."""
 
@@ -545,6 +538,6 @@ def place_params(dp: DataParallel | None, tree: Any) -> Any:
   """Constrains a params-shaped ``tree`` to the params' sharding (replicated by default)."""
   if dp is None:
     return tree
-  specs = [p.spec for p in _leaf_plans(dp, tree)]
-  leaves = [_place(x, dp.mesh, s) for x, s in zip(jax.tree.leaves(tree), specs, strict=True)]
+  specs = [p.spec for p in leaf_plans(dp, tree)]
+  leaves = [place(x, dp.mesh, s) for x, s in zip(jax.tree.leaves(tree), specs, strict=True)]
   return jax.tree.structure(tree).unflatten(leaves)
