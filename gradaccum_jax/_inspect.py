@@ -17,14 +17,9 @@ from gradaccum_jax._accumulate import AccumulateState
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
-  "all-reduce",
-  "reduce-scatter",
-  "all-gather",
-  "all-to-all",
-  "ragged-all-to-all",
-  "collective-permute",
-  "collective-broadcast",
-)
+  "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "ragged-all-to-all",
+  "collective-permute", "collective-broadcast",
+)  # fmt: skip
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
 _CALLED = re.compile(
   r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
@@ -70,11 +65,6 @@ def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
       seen.add(name)
       stack.extend(c for line in comps[name] for c in _called(line))
   return seen
-
-
-def _in_loops(comps: dict[str, list[str]]) -> set[str]:
-  """The while bodies and conditions, and every computation they call (fusions, nested loops)."""
-  return _reachable(comps, "while")
 
 
 def _shapes_and_bytes(result_type: str) -> tuple[tuple[tuple[int, ...], ...], int]:
@@ -130,6 +120,11 @@ class StepReport:
   """What a compiled step communicates and holds: the result of :func:`inspect_step`.
 
   Attributes:
+    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops, and
+      outside every loop (before or after it); kinds as in HLO (``KINDS``).
+    in_loop_bytes, after_loop_bytes: ``{kind: bytes}`` those ops move per execution.
+    peak_bytes: per device, temp + arguments + outputs - aliased (None without
+      a memory analysis).
     collectives: every collective op, a ``Collective(kind, name, computation,
       shapes, bytes, in_loop, in_branch, text)``; ``bytes`` is the size of its
       result on one device per execution (dtype size x elements, summed over a
@@ -151,7 +146,7 @@ class StepReport:
   def from_compiled(cls, compiled: Any) -> StepReport:
     """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``)."""
     comps = _computations(compiled.as_text())
-    loops, branches = _in_loops(comps), _reachable(comps, "conditional")
+    loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
     found, whiles = [], []
     for comp, lines in comps.items():
       for line in lines:
@@ -169,39 +164,21 @@ class StepReport:
     sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
     return cls(tuple(found), tuple(whiles), *sizes)
 
-  def _count(self, in_loop: bool, what: Callable[[Collective], int]) -> dict[str, int]:
+  def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
-    for c in self.collectives:
-      if c.in_loop == in_loop:
-        out[c.kind] = out.get(c.kind, 0) + what(c)
+    for c in (c for c in self.collectives if c.in_loop == in_loop):
+      out[c.kind] = out.get(c.kind, 0) + (c.bytes if bytes_ else 1)
     return out
 
-  @property
-  def in_loop(self) -> dict[str, int]:
-    """``{kind: number of ops}`` inside the program's while loops."""
-    return self._count(True, lambda c: 1)
-
-  @property
-  def after_loop(self) -> dict[str, int]:
-    """``{kind: number of ops}`` outside every loop (before or after it)."""
-    return self._count(False, lambda c: 1)
-
-  @property
-  def in_loop_bytes(self) -> dict[str, int]:
-    """``{kind: bytes}`` the ops in loops move per execution (once per trip)."""
-    return self._count(True, lambda c: c.bytes)
-
-  @property
-  def after_loop_bytes(self) -> dict[str, int]:
-    """``{kind: bytes}`` the ops outside every loop move per call."""
-    return self._count(False, lambda c: c.bytes)
+  in_loop = property(lambda self: self._sum(True, False))
+  after_loop = property(lambda self: self._sum(False, False))
+  in_loop_bytes = property(lambda self: self._sum(True, True))
+  after_loop_bytes = property(lambda self: self._sum(False, True))
 
   @property
   def peak_bytes(self) -> int | None:
-    """Per-device bytes: temp + arguments + outputs - aliased outputs."""
-    if self.temp_bytes is None:
-      return None
-    return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+    if self.temp_bytes is not None:
+      return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
 
   def check(self, max_in_loop: Any = 0, max_after_loop: Any = None, max_peak_bytes=None) -> None:
     """Raises ValueError naming every collective and byte over budget; for users' tests.
@@ -239,7 +216,9 @@ class StepReport:
       )
 
   def __repr__(self) -> str:
-    trips = ", ".join(f"%{lp.name}: {lp.trip_count or '?'} trips" for lp in self.loops)
+    trips = ", ".join(
+      f"%{lp.name}: {'?' if lp.trip_count is None else lp.trip_count} trips" for lp in self.loops
+    )
     rows = [f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''},"
             f" peak {self.peak_bytes} bytes per device (temp {self.temp_bytes}, arguments"
             f" {self.argument_bytes}, outputs {self.output_bytes}, aliased {self.alias_bytes})",
@@ -409,15 +388,10 @@ def check_step(
       f"The step's new params have the structure {jax.tree.structure(new)}, the params"
       f" {jax.tree.structure(ref)}: step must return (new_params, ...)."
     )
-  f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-  scale = max((float(np.max(np.abs(f64(r) - f64(p)), initial=0)) for r, p in
-               zip(jax.tree.leaves(ref), jax.tree.leaves(host[0]), strict=True)), default=0.0)  # fmt: skip
-  max_abs, max_rel = {}, {}
-  for (path, r), x in zip(
-    jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(new), strict=True
-  ):
-    leaf = jax.tree_util.keystr(path) or "params"
-    max_abs[leaf] = float(np.max(np.abs(f64(x) - f64(r)), initial=0))
-    max_rel[leaf] = max_abs[leaf] / scale if scale > 0 else (0.0 if max_abs[leaf] == 0 else np.inf)
+  diff = lambda a, b: float(np.max(np.abs(np.float64(a) - b), initial=0))  # noqa: E731
+  scale = max(map(diff, jax.tree.leaves(ref), jax.tree.leaves(host[0])), default=0.0)
+  paths = [jax.tree_util.keystr(path) or "params" for path, _ in jax.tree.leaves_with_path(ref)]
+  max_abs = dict(zip(paths, map(diff, jax.tree.leaves(new), jax.tree.leaves(ref)), strict=True))
+  max_rel = {p: a / scale if scale > 0 else (0.0 if a == 0 else np.inf) for p, a in max_abs.items()}
   ok = all(np.isfinite(v) and v <= rtol for v in max_rel.values())
   return StepCheck(bool(ok), float(rtol), scale, max_abs, max_rel)
