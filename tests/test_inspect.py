@@ -234,20 +234,21 @@ def pmean_again(tree):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "name,loss_fn,reduce,batch,ok",
+  "name,loss_fn,reduce,batch,inner,ok",
   [
-    ("equal rows, the mean", xent_loss, mean, data(D * 4), True),
-    ("uneven tokens, mean of per-device means", token_loss, mean, token_batch(D * 2), False),
-    ("gradient reduced twice", xent_loss, pmean_again, data(D * 4), False),
+    ("equal rows, the mean", xent_loss, mean, data(D * 4), optax.sgd(0.1), True),
+    ("uneven tokens, mean of means", token_loss, mean, token_batch(D * 2), optax.sgd(0.1), False),
+    ("gradient reduced twice", xent_loss, pmean_again, data(D * 4), optax.sgd(0.1), False),
+    # Adam's first update is about lr * sign(g): blind to the gradient's scale (docs/verifying.md).
+    ("reduced twice, adam", xent_loss, pmean_again, data(D * 4), optax.adam(1e-2), True),
   ],
-  ids=["mean", "mean_of_means", "reduced_twice"],
+  ids=["mean", "mean_of_means", "reduced_twice", "reduced_twice_adam"],
 )
 def test_check_step_flags_hand_written_steps_that_are_not_the_big_batch(
-  name, loss_fn, reduce, batch, ok
+  name, loss_fn, reduce, batch, inner, ok
 ):
   if loss_fn is token_loss:  # the devices really hold different numbers of tokens
     assert len(set(batch["mask"].reshape(D, -1).sum(1).tolist())) > 1
-  inner = optax.sgd(0.1)
   mesh = mesh_1d()
   p = put(PARAMS, mesh, P())
   result = ga.check_step(
