@@ -11,7 +11,6 @@ from jax.sharding import PartitionSpec as P
 from test_sharding import FSDP, SIZES, D, data, mesh_1d, naive_window, put, token_batch, token_loss
 
 import gradaccum_jax as ga
-from gradaccum_jax._inspect import StepReport
 
 PARAMS = init_mlp(jax.random.key(0), SIZES)
 PARAM_BYTES = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(PARAMS))  # float32 leaves
@@ -85,7 +84,7 @@ class FakeCompiled:
 
 
 def test_the_reader_counts_loops_branches_fusions_and_async_pairs_once():
-  report = StepReport.from_compiled(FakeCompiled(HLO))
+  report = ga.StepReport.from_compiled(FakeCompiled(HLO))
   assert report.in_loop == {"all-gather": 1, "all-reduce": 1}  # via the fusion; start/done once
   assert report.in_loop_bytes == {"all-gather": 32 * 4, "all-reduce": 8 * 2}
   assert report.after_loop == {"reduce-scatter": 1, "collective-permute": 1, "all-gather": 1, "all-reduce": 1}  # fmt: skip
