@@ -46,24 +46,20 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
   return comps
 
 
-def _called(line: str) -> list[str]:
-  """The computations one instruction calls directly (loop body, branches, fusions, ...)."""
-  return [
-    name.strip().lstrip("%")
-    for one, many in _CALLED.findall(line)
-    for name in ([one] if one else many.split(","))
-  ]
-
-
 def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
   """The computations every ``op`` (``while``, ``conditional``) calls, and all they call."""
-  stack = [c for lines in comps.values() for ln in lines if f" {op}(" in ln for c in _called(ln)]
+
+  def called(line: str) -> list[str]:  # loop body and condition, branches, fusions, ...
+    names = [[one] if one else many.split(",") for one, many in _CALLED.findall(line)]
+    return [n.strip().lstrip("%") for group in names for n in group]
+
+  stack = [c for lines in comps.values() for ln in lines if f" {op}(" in ln for c in called(ln)]
   seen: set[str] = set()
   while stack:
     name = stack.pop()
     if name not in seen and name in comps:
       seen.add(name)
-      stack.extend(c for line in comps[name] for c in _called(line))
+      stack.extend(c for line in comps[name] for c in called(line))
   return seen
 
 
@@ -305,17 +301,10 @@ class StepCheck:
 
 
 def check_step(
-  step: Callable[..., Any],
-  loss_fn: Callable[..., Any],
-  inner_tx: optax.GradientTransformation,
-  params: Any,
-  opt_state: Any,
-  batch: Any,
-  *,
-  has_aux: bool = False,
-  inner_state: Any = None,
+  step: Callable[..., Any], loss_fn: Callable[..., Any], inner_tx: optax.GradientTransformation,
+  params: Any, opt_state: Any, batch: Any, *, has_aux: bool = False, inner_state: Any = None,
   rtol: float = 1e-4,
-) -> StepCheck:
+) -> StepCheck:  # fmt: skip
   """Runs one window of a built step on copies of its arguments and compares the new params with
   the single-device whole-batch update by the same inner optimizer.
 
