@@ -255,8 +255,8 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
     >>> import gradaccum_jax as ga
     >>> step = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, 4)[0])
     >>> report = ga.inspect_step(step, jnp.ones(3))
-    >>> report.in_loop, [loop.trip_count for loop in report.loops]
-    ({}, [4])
+    >>> isinstance(report, ga.StepReport), report.in_loop, [lp.trip_count for lp in report.loops]
+    (True, {}, [4])
   """
   if not callable(step):
     raise TypeError(f"step must be a function (a ga step or a jax.jit one), got {step!r}.")
@@ -342,8 +342,10 @@ def check_step(
     >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.ones(8)}
     >>> tx = ga.accumulate(optax.sgd(0.1), 4)
     >>> step = ga.train_step(loss, tx)
-    >>> ga.check_step(step, loss, optax.sgd(0.1), jnp.zeros(3), tx.init(jnp.zeros(3)), batch).ok
-    True
+    >>> w = jnp.zeros(3)
+    >>> result = ga.check_step(step, loss, optax.sgd(0.1), w, tx.init(w), batch)
+    >>> isinstance(result, ga.StepCheck), result.ok
+    (True, True)
   """
   for name, fn in (("step", step), ("loss_fn", loss_fn)):
     if not callable(fn):
