@@ -190,7 +190,8 @@ class StepReport:
         and the peak over ``max_peak_bytes``; or for an unknown kind.
     """
     problems = []
-    for where, in_loop, value in (("in a loop", True, max_in_loop), ("outside loops", False, max_after_loop)):  # fmt: skip
+    budgets = (("in a loop", True, max_in_loop), ("outside loops", False, max_after_loop))
+    for where, in_loop, value in budgets:
       budget = _budget(value, "max_in_loop" if in_loop else "max_after_loop")
       for kind, count in (self.in_loop if in_loop else self.after_loop).items():
         if budget is not None and count > budget.get(kind, count):
