@@ -28,8 +28,8 @@ Three more comparisons:
               gradient on every call) against ``ga.micro_step(..., mesh=mesh)`` (per-device
               partial sums, one all-reduce in the call that closes the window).
 
-For each program the compiled HLO (``compiled.as_text()``) is parsed for collectives
-(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) inside while-loop
+For each program ``ga.StepReport.from_compiled`` reads the collectives of the compiled HLO
+(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, ...) inside while-loop
 bodies and elsewhere; "per window" counts a collective in the scan's loop ``k`` times, and for
 the streaming programs (whose only loop is the one of 0 or 1 trips that closes the window) a
 collective outside it ``k`` times and inside it once. Timing:
@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from collections import Counter
@@ -90,7 +89,6 @@ from step_time import (  # noqa: E402
 
 LR = 1e-3
 METHODS = ("naive", "ga", "ga_sharded")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 FULL = {
   "layers": (784, 512, 512, 10), "b": 32, "ks": (4, 16), "rounds": 8, "windows": 3,
   "gather": {"layers": (512, 2048, 2048, 512), "b": 2, "ks": (2, 4, 8), "rounds": 5, "windows": 2},
@@ -107,70 +105,14 @@ STREAMS = ("plain_stream", "micro_step")
 
 # --------------------------------------------------------------------------- HLO
 
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
-_CALLED = re.compile(
-  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
-  r"|branch_computations=\{([^}]*)\}"
-)
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 
-
-def hlo_collectives(text: str) -> list[dict[str, Any]]:
-  """Every collective of a compiled HLO module: op, result bytes, whether in a while loop."""
-  comps: dict[str, list[str]] = {}
-  current = None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = comps.setdefault(header.group(1), [])
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      current.append(line)
-  in_loop = _reachable(comps, _called_by(comps, "while"))
-  in_branch = _reachable(comps, _called_by(comps, "conditional"))
-  found = []
-  for name, lines in comps.items():
-    for m in map(_OP.match, lines):
-      if m:
-        size = 0
-        for dtype, dims in re.findall(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]", m.group(1)):
-          n = 1
-          for d in filter(None, dims.split(",")):
-            n *= int(d)
-          size += n * _DTYPE_BYTES.get(dtype, int(dtype[1:]) // 8 if dtype[1:].isdigit() else 4)
-        found.append({
-          "op": m.group(2), "bytes": size, "in_loop": name in in_loop,
-          "in_branch": name in in_branch,
-        })  # fmt: skip
-  return found
-
-
-def _called_by(comps: dict[str, list[str]], op: str) -> list[str]:
-  """The computations every ``op`` instruction (``while``, ``conditional``) calls directly."""
+def hlo_collectives(compiled: Any) -> list[dict[str, Any]]:
+  """Every collective of a compiled program (``ga.StepReport``): op, result bytes, whether in
+  a while loop, whether in a conditional's branch."""
   return [
-    one or many_name.strip().lstrip("%")
-    for lines in comps.values()
-    for line in lines
-    if re.search(rf"\s{op}\(", line)
-    for one, many in _CALLED.findall(line)
-    for many_name in ([""] if one else many.split(","))
+    {"op": c.kind, "bytes": c.bytes, "in_loop": c.in_loop, "in_branch": c.in_branch}
+    for c in ga.StepReport.from_compiled(compiled).collectives
   ]
-
-
-def _reachable(comps: dict[str, list[str]], roots: list[str]) -> set[str]:
-  seen: set[str] = set()
-  stack = list(roots)
-  while stack:
-    name = stack.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      for one, many in _CALLED.findall(line):
-        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
-  return seen
 
 
 def collective_summary(found: list[dict[str, Any]], k: int) -> dict[str, Any]:
@@ -246,7 +188,7 @@ def run_k(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - t0
-    found = hlo_collectives(compiled.as_text())
+    found = hlo_collectives(compiled)
     steps[method], inputs[method] = step, args
     p, s, _ = jax.block_until_ready(step(*args))
     first[method] = p
@@ -369,7 +311,7 @@ def run_gather(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
       "compile_s": compile_s,
       "temp_bytes": int(mem.temp_size_in_bytes),
       "total_bytes": compiled_bytes(mem),
-      "collectives": collective_summary(hlo_collectives(compiled.as_text()), k),
+      "collectives": collective_summary(hlo_collectives(compiled), k),
     }
     p, s_, _ = jax.block_until_ready(step(params, opt_state, batch))
     first[gather] = p
@@ -440,7 +382,7 @@ def run_streaming(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
     compiled = lowered[method](*args).compile()
     result[method] = {
       "compile_s": time.perf_counter() - t0,
-      "collectives": stream_summary(hlo_collectives(compiled.as_text()), k),
+      "collectives": stream_summary(hlo_collectives(compiled), k),
     }
 
     def window(st, call=calls[method]):

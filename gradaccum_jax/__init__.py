@@ -14,6 +14,10 @@ from gradaccum_jax._autosize import step_memory as step_memory
 from gradaccum_jax._equivalence import EquivalenceReport as EquivalenceReport
 from gradaccum_jax._equivalence import check_equivalence as check_equivalence
 from gradaccum_jax._flax import linen_train_step as linen_train_step
+from gradaccum_jax._inspect import StepCheck as StepCheck
+from gradaccum_jax._inspect import StepReport as StepReport
+from gradaccum_jax._inspect import check_step as check_step
+from gradaccum_jax._inspect import inspect_step as inspect_step
 from gradaccum_jax._lr import scale_adam_hyperparams as scale_adam_hyperparams
 from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate
 from gradaccum_jax._micro_step import micro_step as micro_step
@@ -37,11 +41,15 @@ __all__ = (
   "EquivalenceReport",
   "LossScaleState",
   "NoiseScaleState",
+  "StepCheck",
+  "StepReport",
   "accumulate",
   "auto_microbatch",
   "flush",
   "check_equivalence",
+  "check_step",
   "has_updated",
+  "inspect_step",
   "linen_train_step",
   "micro_step",
   "microbatch",

@@ -1,6 +1,4 @@
-"""Shared test helpers: one tree comparison, a small model, data, reading compiled HLO."""
-
-import re
+"""Shared test helpers: one tree comparison, a small model, data (compiled HLO: ga.inspect_step)."""
 
 import jax
 import jax.numpy as jnp
@@ -65,62 +63,3 @@ def make_batch(key, batch_size, d_in=6, num_classes=3):
     "x": jax.random.normal(xk, (batch_size, d_in)),
     "y": jax.random.randint(yk, (batch_size,), 0, num_classes),
   }
-
-
-# --- reading a compiled HLO module --------------------------------------------------------------
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
-_CALLED = re.compile(
-  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
-  r"|branch_computations=\{([^}]*)\}"
-)
-
-
-def computations(hlo_text):
-  """{computation name: its instruction lines} of an HLO module's text."""
-  comps, current = {}, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = comps.setdefault(header.group(1), [])
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      current.append(line)
-  return comps
-
-
-def reachable(comps, roots):
-  """The computations ``roots`` are or call, transitively."""
-  seen, stack = set(), list(roots)
-  while stack:
-    name = stack.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      for one, many in _CALLED.findall(line):
-        stack.extend([one] if one else [c.strip().lstrip("%") for c in many.split(",")])
-  return seen
-
-
-def called_by(comps, op):
-  """The computations every ``op`` instruction (``while``, ``conditional``) calls directly."""
-  return [
-    one or name.strip().lstrip("%")
-    for lines in comps.values()
-    for line in lines
-    if re.search(rf"\s{op}\(", line)
-    for one, many in _CALLED.findall(line)
-    for name in ([""] if one else many.split(","))
-  ]
-
-
-def in_while_loops(comps):
-  """The while bodies and conditions, and every computation they call (fusions, nested loops)."""
-  return reachable(comps, called_by(comps, "while"))
-
-
-def in_branches(comps):
-  """The branches of every conditional, and every computation they call."""
-  return reachable(comps, called_by(comps, "conditional"))

@@ -65,7 +65,7 @@ def test_docs_python_blocks_run():
   """The snippets of the guide pages run in order, continuing the README's Quick start."""
   namespace: dict = {}
   pages = [ROOT / "README.md"] + [
-    DOCS / f"{n}.md" for n in ("usage", "choosing_k", "data_parallel")
+    DOCS / f"{n}.md" for n in ("usage", "choosing_k", "data_parallel", "verifying")
   ]
   for page in pages:
     blocks = python_blocks(page)

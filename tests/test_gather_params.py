@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, computations, init_mlp, mlp, reachable, xent_loss
+from helpers import assert_trees_close, init_mlp, mlp, xent_loss
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_mesh import (
@@ -27,29 +27,11 @@ from test_flax_mesh import (
 )
 from test_flax_mesh import K as FLAX_K
 from test_flax_mesh import mesh as explicit_mesh
-from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put, shapes_of
+from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put
 
 import gradaccum_jax as ga
 
 # --- reading the compiled HLO: collectives, where they run, over which devices ----------------
-
-_OP = re.compile(
-  r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all"
-  r"|collective-permute)(?:-start)?\("
-)
-
-
-def loop_bodies(comps):
-  return reachable(
-    comps,
-    [
-      name
-      for lines in comps.values()
-      for line in lines
-      if re.search(r"\swhile\(", line)
-      for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
-    ],
-  )
 
 
 def _iota(text):
@@ -85,21 +67,15 @@ def replica_groups(line):
   return ids.tolist()
 
 
-def collectives_with_groups(hlo_text, mesh, data_axes=("data",)):
+def collectives_with_groups(compiled, mesh, data_axes=("data",)):
   """(op, result shapes, in a loop body, whether its groups span the data axes) per collective."""
-  comps = computations(hlo_text)
-  in_loop = loop_bodies(comps)
   coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T
   data_dims = [mesh.axis_names.index(a) for a in data_axes]
   found = []
-  for name, lines in comps.items():
-    for line in lines:
-      m = _OP.match(line)
-      if not m:
-        continue
-      groups = replica_groups(line)
-      spans = any(len({tuple(coords[d][data_dims]) for d in g}) > 1 for g in groups)
-      found.append((m.group(2), shapes_of(m.group(1)), name in in_loop, spans))
+  for c in ga.StepReport.from_compiled(compiled).collectives:
+    groups = replica_groups(c.text)
+    spans = any(len({tuple(coords[d][data_dims]) for d in g}) > 1 for g in groups)
+    found.append((c.kind, c.shapes, c.in_loop, spans))
   return found
 
 
@@ -240,8 +216,8 @@ def test_per_microbatch_gathers_and_reduce_scatters_inside_the_loop():
   tx = ga.accumulate(optax.adam(1e-2), k)
   step = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=FSDP, gather_params="per_microbatch")
   p = put(params, mesh, FSDP)
-  hlo = step.lower(p, tx.init(p), put(data(D * k), mesh, P("data"))).compile().as_text()
-  found = collectives_with_groups(hlo, mesh)
+  compiled = step.lower(p, tx.init(p), put(data(D * k), mesh, P("data"))).compile()
+  found = collectives_with_groups(compiled, mesh)
   in_loop = sorted((op, s) for op, shapes, loop, _ in found if loop for s in shapes)
   full = sorted(tuple(x.shape) for x in jax.tree.leaves(params))
   shards = sorted(tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(p))
@@ -349,7 +325,7 @@ def test_tensor_parallel_params_match_the_big_batch_step(specs, gather, kind):
   step = ga.train_step(loss, tx, mesh=mesh, param_specs=specs, gather_params=gather)
   p = put(params, mesh, specs)
   args = (p, tx.init(p), put(batch, mesh, P("data")))
-  found = collectives_with_groups(step.lower(*args).compile().as_text(), mesh)
+  found = collectives_with_groups(step.lower(*args).compile(), mesh)
   over_data_in_loop = [c for c in found if c[2] and c[3]]
   if gather == "once":  # the loop only talks over "model" (the activations of the TP layers)
     assert not over_data_in_loop, found

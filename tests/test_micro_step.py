@@ -1,23 +1,13 @@
 """ga.micro_step: one jitted call per micro-batch; on a mesh, one reduction per window."""
 
-import re
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import (
-  assert_trees_close,
-  computations,
-  in_branches,
-  in_while_loops,
-  init_mlp,
-  xent_loss,
-)
+from helpers import assert_trees_close, init_mlp, xent_loss
 from jax.sharding import PartitionSpec as P
-from test_gather_params import _OP
 from test_sharding import (
   FSDP,
   SIZES,
@@ -26,7 +16,6 @@ from test_sharding import (
   mesh_1d,
   plain_steps,
   put,
-  shapes_of,
   token_batch,
   token_loss,
 )
@@ -161,16 +150,10 @@ def test_on_a_mesh_weighted_with_uneven_tokens_per_device_equals_the_big_batch_s
       assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, spec)
 
 
-def loop_collectives(hlo_text):
-  """Every collective: (op, shapes, whether it is inside a while loop or a conditional's
-  branch)."""
-  comps = computations(hlo_text)
-  loops = in_while_loops(comps) | in_branches(comps)
-  return [
-    (m.group(2), shapes_of(m.group(1)), name in loops)
-    for name, lines in comps.items()
-    for m in filter(None, map(_OP.match, lines))
-  ]
+def loop_collectives(report):
+  """Every collective of a ga.StepReport: (op, shapes, whether it is inside a while loop or a
+  conditional's branch)."""
+  return [(c.kind, c.shapes, c.in_loop or c.in_branch) for c in report.collectives]
 
 
 @pytest.mark.slow
@@ -185,9 +168,9 @@ def test_gradient_reductions_run_only_in_the_branch_that_closes_the_window(specs
   step = ga.micro_step(xent_loss, tx, mesh=mesh, param_specs=specs)
   p = put(params, mesh, P() if specs is None else specs)
   mb = put(ga.microbatch(data(D * k), 0, k), mesh, P("data"))
-  text = step.lower(p, step.init(p), mb).compile().as_text()
-  assert len(re.findall(r"\swhile\(", text)) <= 1  # the micro-batch's scan, if any
-  found = loop_collectives(text)
+  report = ga.inspect_step(step, p, step.init(p), mb)
+  assert len(report.loops) <= 1  # the micro-batch's scan, if any
+  found = loop_collectives(report)
   sized = [c for c in found if c[0] in ("all-reduce", "reduce-scatter") and any(c[1])]
   assert sized and all(in_loop for _, _, in_loop in sized), found
   outside = [op for op, _, in_loop in found if not in_loop]
@@ -210,7 +193,7 @@ def test_a_plain_gspmd_streaming_step_all_reduces_every_call():
     return optax.apply_updates(params, updates), state
 
   mb = put(ga.microbatch(data(D * k), 0, k), mesh, P("data"))
-  found = loop_collectives(plain.lower(params, tx.init(params), mb).compile().as_text())
+  found = loop_collectives(ga.inspect_step(plain, params, tx.init(params), mb))
   assert [c for c in found if c[0] == "all-reduce" and any(c[1]) and not c[2]], found
 
 

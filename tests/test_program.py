@@ -9,16 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import (
-  assert_trees_close,
-  computations,
-  in_while_loops,
-  init_mlp,
-  make_batch,
-  xent_loss,
-)
+from helpers import assert_trees_close, init_mlp, make_batch, xent_loss
 
 import gradaccum_jax as ga
+from gradaccum_jax._inspect import _computations, _reachable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import memory_floor  # noqa: E402
@@ -190,8 +184,8 @@ def state_copies(compiled, in_loops=False):
   """Copies of arrays (not scalars, not of a zeros broadcast) outside every while loop: the
   ones that run on every call, whichever branch of a conditional is taken; ``in_loops``: the
   ones inside loops too."""
-  comps = computations(compiled.as_text())
-  in_loop = set() if in_loops else in_while_loops(comps)
+  comps = _computations(compiled.as_text())
+  in_loop = set() if in_loops else _reachable(comps, "while")
   copy = re.compile(r"= (\w+\[[\d,]+\])\S* copy\(%([^)]+)\)")
   return [
     (shape, operand)

@@ -1,7 +1,6 @@
 """Data-parallel and sharded-parameter accumulation on 8 CPU devices: one reduction per window."""
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -15,8 +14,6 @@ import optax
 import pytest
 from helpers import (
   assert_trees_close,
-  computations,
-  in_while_loops,
   init_mlp,
   make_batch,
   mlp,
@@ -291,40 +288,12 @@ def test_rng_is_folded_with_the_device_then_the_microbatch():
 
 # --- the compiled program: no collective in the loop, one reduction after it -----------------
 
-COLLECTIVES = (
-  "all-reduce",
-  "all-gather",
-  "reduce-scatter",
-  "all-to-all",
-  "ragged-all-to-all",
-  "collective-permute",
-  "collective-broadcast",
-)
-# `%name = <result type> <op>(` or `<op>-start(`; async pairs are counted once, at the start.
-_COLLECTIVE = re.compile(
-  r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\("
-)
 
-
-def collectives(hlo_text):
-  """Every collective of a compiled HLO module: (op, result type, inside a while loop)."""
-  comps = computations(hlo_text)
-  in_loop = in_while_loops(comps)
-  assert in_loop, "no while loop in the program"
-  return [
-    (m.group(2), m.group(1), name in in_loop)
-    for name, lines in comps.items()
-    for m in map(_COLLECTIVE.match, lines)
-    if m
-  ]
-
-
-def shapes_of(result_type):
-  """'(f32[16]{0}, f32[])' -> [(16,), ()]: the shapes of a (tuple) result type."""
-  return [
-    tuple(int(d) for d in dims.split(",") if d)
-    for dims in re.findall(r"\b(?:pred|[subf]\d+|bf16)\[([\d,]*)\]", result_type)
-  ]
+def collectives(compiled):
+  """Every collective of a compiled program: (op, result shapes, inside a while loop, bytes)."""
+  report = ga.StepReport.from_compiled(compiled)
+  assert report.loops, "no while loop in the program"
+  return [(c.kind, c.shapes, c.in_loop, c.bytes) for c in report.collectives]
 
 
 def compiled_step(k, mesh, param_specs=None, weight_fn=None, loss_fn=xent_loss, batch=None):
@@ -350,10 +319,10 @@ def test_replicated_step_has_one_all_reduce_after_the_loop_whatever_k():
   found = {}
   for k in (2, 8):
     compiled, _ = compiled_step(k, mesh, weight_fn=lambda mb: jnp.sum(mb["y"] >= 0))
-    found[k] = colls = collectives(compiled.as_text())
+    found[k] = colls = collectives(compiled)
     assert not [c for c in colls if c[2]], colls  # nothing inside the loop body
-    assert [op for op, _, _ in colls] == ["all-reduce"], colls  # and no all-gather of the batch
-    shapes = shapes_of(colls[0][1])
+    assert [op for op, *_ in colls] == ["all-reduce"], colls  # and no all-gather of the batch
+    shapes = colls[0][1]
     # One operand per gradient leaf, plus two f32[] scalars: the loss and the weight sums.
     assert sorted(s for s in shapes if s) == PARAM_SHAPES, shapes
     assert shapes.count(()) == 2, shapes
@@ -366,12 +335,12 @@ def test_sharded_step_gathers_params_once_and_reduce_scatters_once_per_param():
   found = {}
   for k in (2, 8):
     compiled, (p, _, _) = compiled_step(k, mesh, param_specs=FSDP)
-    found[k] = colls = collectives(compiled.as_text())
+    found[k] = colls = collectives(compiled)
     assert not [c for c in colls if c[2]], colls  # nothing inside the loop body
-    gathers = [shapes_of(t) for op, t, _ in colls if op == "all-gather"]
-    scatters = [shapes_of(t) for op, t, _ in colls if op == "reduce-scatter"]
-    reduces = [shapes_of(t) for op, t, _ in colls if op == "all-reduce"]
-    assert {op for op, _, _ in colls} == {"all-gather", "reduce-scatter", "all-reduce"}, colls
+    gathers = [t for op, t, *_ in colls if op == "all-gather"]
+    scatters = [t for op, t, *_ in colls if op == "reduce-scatter"]
+    reduces = [t for op, t, *_ in colls if op == "all-reduce"]
+    assert {op for op, *_ in colls} == {"all-gather", "reduce-scatter", "all-reduce"}, colls
     # All-gathers are of the params only (each to its full shape), none of the batch.
     assert sorted(s for g in gathers for s in g) == PARAM_SHAPES, gathers
     # One reduce-scatter per param, into its 1/D shard.
@@ -403,7 +372,7 @@ def test_naive_jit_of_a_scan_reduces_inside_the_loop(kind):
   params = init_mlp(jax.random.key(0), SIZES)
   batch = put(data(D * k * 2), mesh, P("data"))
   fn = jax.jit(naive_window, static_argnums=2)
-  colls = collectives(fn.lower(put(params, mesh, P()), batch, k).compile().as_text())
+  colls = collectives(fn.lower(put(params, mesh, P()), batch, k).compile())
   assert [c for c in colls if c[2] and c[0] == "all-reduce"], colls
 
 

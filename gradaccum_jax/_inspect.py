@@ -1,0 +1,389 @@
+"""``inspect_step`` and ``check_step``: what a compiled step communicates and holds, and whether
+one window of it moves the params as the single-device whole-batch update does."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from gradaccum_jax._accumulate import AccumulateState
+
+# The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
+KINDS = (
+  "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "ragged-all-to-all",
+  "collective-permute", "collective-broadcast",
+)  # fmt: skip
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+_CALLED = re.compile(
+  r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+  r"|(?:branch_computations|called_computations)=\{([^}]*)\}"
+)
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start|-done)?\(")
+_WHILE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\swhile\(")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """``{computation name: its instruction lines}`` of an HLO module's text."""
+  comps: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and line.rstrip().endswith("{"):
+      current = comps.setdefault(header.group(1), [])
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  return comps
+
+
+def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
+  """The computations every ``op`` (``while``, ``conditional``) calls, and all they call."""
+
+  def called(line: str) -> list[str]:  # loop body and condition, branches, fusions, ...
+    names = [[one] if one else many.split(",") for one, many in _CALLED.findall(line)]
+    return [n.strip().lstrip("%") for group in names for n in group]
+
+  stack = [c for lines in comps.values() for ln in lines if f" {op}(" in ln for c in called(ln)]
+  seen: set[str] = set()
+  while stack:
+    name = stack.pop()
+    if name not in seen and name in comps:
+      seen.add(name)
+      stack.extend(c for line in comps[name] for c in called(line))
+  return seen
+
+
+def _shapes_and_bytes(result_type: str) -> tuple[tuple[tuple[int, ...], ...], int]:
+  """'(f32[16]{0}, bf16[2,3]{1,0})' -> (((16,), (2, 3)), 76): shapes, and bytes of all."""
+  shapes, size = [], 0
+  for dtype, dims in _ARRAY.findall(result_type):
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    bits = re.search(r"\d+", dtype)
+    shapes.append(shape)
+    size += int(np.prod(shape, dtype=np.int64)) * (int(bits.group()) if bits else 8) // 8
+  return tuple(shapes), size
+
+
+class Collective(NamedTuple):
+  """One collective op of a compiled program (see :class:`StepReport`)."""
+
+  kind: str  # as in HLO: "all-reduce", "all-gather", ...
+  name: str  # the instruction's name
+  computation: str  # the computation it is in
+  shapes: tuple[tuple[int, ...], ...]  # of its result (one per operand of a tuple op)
+  bytes: int  # its result's size on one device, per execution
+  in_loop: bool  # in a while loop's body or condition, or something they call
+  in_branch: bool  # in a conditional's branch, or something it calls
+  text: str  # its HLO line (replica groups, channel, ...)
+
+
+class Loop(NamedTuple):
+  """One while loop of a compiled program and its trip count (None when not static)."""
+
+  name: str
+  computation: str
+  trip_count: int | None
+  nested: bool  # inside another loop
+
+
+def _budget(value: Any, name: str) -> dict[str, int] | None:
+  """A budget (None, an int for every kind, or ``{kind: max}``) as ``{kind: max}``."""
+  if value is None:
+    return None
+  items = value.items() if isinstance(value, Mapping) else ((k, value) for k in KINDS)
+  budget = {}
+  for kind, n in items:
+    if kind not in KINDS:
+      raise ValueError(f"{name} names an unknown collective {kind!r}; the kinds are {KINDS}.")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+      raise ValueError(f"{name} must give a count >= 0 for {kind!r}, got {n!r}.")
+    budget[kind] = int(n)
+  return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+  """What a compiled step communicates and holds: the result of :func:`inspect_step`.
+
+  Attributes:
+    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops, and
+      outside every loop (before or after it); kinds as in HLO (``KINDS``).
+    in_loop_bytes, after_loop_bytes: ``{kind: bytes}`` those ops move per execution.
+    peak_bytes: per device, temp + arguments + outputs - aliased (None without
+      a memory analysis).
+    collectives: every collective op, a ``Collective(kind, name, computation,
+      shapes, bytes, in_loop, in_branch, text)``; ``bytes`` is the size of its
+      result on one device per execution (dtype size x elements, summed over a
+      tuple): an all-reduce's reduced arrays, an all-gather's gathered ones, a
+      reduce-scatter's shards. An op in a loop runs once per trip.
+    loops: every while loop, a ``Loop(name, computation, trip_count, nested)``.
+    temp_bytes, argument_bytes, output_bytes, alias_bytes: the parts of
+      ``compiled.memory_analysis()`` per device (None if the backend has none).
+  """
+
+  collectives: tuple[Collective, ...]
+  loops: tuple[Loop, ...]
+  temp_bytes: int | None
+  argument_bytes: int | None
+  output_bytes: int | None
+  alias_bytes: int | None
+
+  @classmethod
+  def from_compiled(cls, compiled: Any) -> StepReport:
+    """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``)."""
+    comps = _computations(compiled.as_text())
+    loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
+    found, whiles = [], []
+    for comp, lines in comps.items():
+      for line in lines:
+        if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
+          shapes, size = _shapes_and_bytes(m.group(2))
+          found.append(
+            Collective(m.group(3), m.group(1), comp, shapes, size, comp in loops, comp in branches,
+                       line.strip())
+          )  # fmt: skip
+        elif m := _WHILE.match(line):
+          trips = _TRIPS.search(line)
+          whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
+    mem = compiled.memory_analysis()
+    parts = ("temp", "argument", "output", "alias")
+    sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
+    return cls(tuple(found), tuple(whiles), *sizes)
+
+  def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in (c for c in self.collectives if c.in_loop == in_loop):
+      out[c.kind] = out.get(c.kind, 0) + (c.bytes if bytes_ else 1)
+    return out
+
+  in_loop = property(lambda self: self._sum(True, False))
+  after_loop = property(lambda self: self._sum(False, False))
+  in_loop_bytes = property(lambda self: self._sum(True, True))
+  after_loop_bytes = property(lambda self: self._sum(False, True))
+
+  @property
+  def peak_bytes(self) -> int | None:
+    if self.temp_bytes is not None:
+      return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+
+  def check(self, max_in_loop: Any = 0, max_after_loop: Any = None, max_peak_bytes=None) -> None:
+    """Raises ValueError naming every collective and byte over budget; for users' tests.
+
+    Args:
+      max_in_loop: the most ops of each kind allowed inside loops: an int for
+        every kind, ``{kind: count}`` for the kinds named, or None (no limit).
+      max_after_loop: the same, outside every loop.
+      max_peak_bytes: the most per-device :attr:`peak_bytes`, or None.
+
+    Raises:
+      ValueError: listing each collective over budget (where, and its bytes)
+        and the peak over ``max_peak_bytes``; or for an unknown kind.
+    """
+    problems = []
+    budgets = (("in a loop", True, max_in_loop), ("outside loops", False, max_after_loop))
+    for where, in_loop, value in budgets:
+      budget = _budget(value, "max_in_loop" if in_loop else "max_after_loop")
+      for kind, count in (self.in_loop if in_loop else self.after_loop).items():
+        if budget is not None and count > budget.get(kind, count):
+          ops = [c for c in self.collectives if c.kind == kind and c.in_loop == in_loop]
+          listing = ", ".join(f"%{c.name} in %{c.computation} ({c.bytes} bytes)" for c in ops)
+          problems.append(f"{count} {kind} {where} (allowed {budget[kind]}): {listing}")
+    if max_peak_bytes is not None:
+      if self.peak_bytes is None:
+        raise ValueError("max_peak_bytes given, but the backend reports no memory analysis.")
+      if self.peak_bytes > max_peak_bytes:
+        problems.append(
+          f"peak_bytes={self.peak_bytes} > {max_peak_bytes=} (temp {self.temp_bytes}, arguments"
+          f" {self.argument_bytes}, outputs {self.output_bytes}, aliased {self.alias_bytes})"
+        )
+    if problems:
+      raise ValueError(
+        "The step is over budget; move the collectives out of the loop (reduce once per window,"
+        " e.g. ga.train_step(..., mesh=mesh)) or raise the budget:\n  " + "\n  ".join(problems)
+      )
+
+  def __repr__(self) -> str:
+    trips = ", ".join(
+      f"%{lp.name}: {'?' if lp.trip_count is None else lp.trip_count} trips" for lp in self.loops
+    )
+    rows = [f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''},"
+            f" peak {self.peak_bytes} bytes per device (temp {self.temp_bytes}, arguments"
+            f" {self.argument_bytes}, outputs {self.output_bytes}, aliased {self.alias_bytes})",
+            f"  {'collective':<20} {'in loop':>8} {'bytes':>12} {'after loop':>11} {'bytes':>12}"]  # fmt: skip
+    n, b, n_out, b_out = self.in_loop, self.in_loop_bytes, self.after_loop, self.after_loop_bytes
+    for kind in (k for k in KINDS if k in n or k in n_out):
+      rows.append(
+        f"  {kind:<20} {n.get(kind, 0):>8} {b.get(kind, 0):>12} {n_out.get(kind, 0):>11}"
+        f" {b_out.get(kind, 0):>12}"
+      )
+    return "\n".join(rows if len(rows) > 2 else [*rows[:1], "  no collectives"])
+
+
+def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepReport:
+  """Compiles ``step`` on the given arguments, runs nothing, and reports its collectives and memory.
+
+  Reads the compiled HLO (``compiled.as_text()``): each collective op, inside
+  the while loops (the micro-batch scan) or outside every loop, with the bytes
+  of its result; the loops and their static trip counts; and
+  ``compiled.memory_analysis()``: peak = temp + arguments + outputs - aliased.
+
+  Args:
+    step: a ``ga`` step, any ``jax.jit`` function (its ``lower`` is used), or a
+      plain function (``jax.jit`` of it).
+    *args: its arguments: arrays or ``jax.ShapeDtypeStruct`` (with shardings).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A :class:`StepReport`; ``report.check(max_in_loop=0)`` raises on a
+    collective in the loop.
+
+  Raises:
+    TypeError: if ``step`` is not callable.
+    ValueError: if ``step`` cannot be lowered and compiled on these arguments.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import gradaccum_jax as ga
+    >>> step = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, 4)[0])
+    >>> report = ga.inspect_step(step, jnp.ones(3))
+    >>> isinstance(report, ga.StepReport), report.in_loop, [lp.trip_count for lp in report.loops]
+    (True, {}, [4])
+  """
+  if not callable(step):
+    raise TypeError(f"step must be a function (a ga step or a jax.jit one), got {step!r}.")
+  lower = getattr(step, "lower", None) or jax.jit(step).lower
+  try:
+    compiled = lower(*args, **kwargs).compile()
+  except Exception as e:
+    raise ValueError(
+      f"inspect_step could not lower and compile step={step!r} on the given arguments"
+      f" ({type(e).__name__}: {e}); pass the arguments you call it with (arrays or"
+      " jax.ShapeDtypeStruct), and keep Python-side work on values out of the step."
+    ) from e
+  return StepReport.from_compiled(compiled)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCheck:
+  """The result of :func:`check_step`; ``str(check)`` is a table of the leaves.
+
+  Attributes:
+    ok: whether every leaf's ``max_rel`` is within ``rtol`` (and finite).
+    rtol: the tolerance used.
+    scale: the largest entry of the reference update ``|p_ref - p|``.
+    max_abs: ``{leaf path: max |p_step - p_ref|}``.
+    max_rel: ``{leaf path: max_abs / scale}``.
+  """
+
+  ok: bool
+  rtol: float
+  scale: float
+  max_abs: dict[str, float]
+  max_rel: dict[str, float]
+
+  def __str__(self) -> str:
+    verdict = "equivalent" if self.ok else "NOT equivalent"
+    rows = [f"One window of the step vs the single-device whole-batch update: {verdict}"
+            f" (rtol={self.rtol:g} of the largest reference update, {self.scale:.3g})"]  # fmt: skip
+    for leaf, rel in self.max_rel.items():
+      flag = "" if rel <= self.rtol else "  <- differs"
+      rows.append(f"  {leaf:<40} max abs {self.max_abs[leaf]:.3e}  relative {rel:.3e}{flag}")
+    return "\n".join(rows)
+
+
+def check_step(
+  step: Callable[..., Any], loss_fn: Callable[..., Any], inner_tx: optax.GradientTransformation,
+  params: Any, opt_state: Any, batch: Any, *, has_aux: bool = False, inner_state: Any = None,
+  rtol: float = 1e-4,
+) -> StepCheck:  # fmt: skip
+  """Runs one window of a built step on copies of its arguments and compares the new params with
+  the single-device whole-batch update by the same inner optimizer.
+
+  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)``
+  on one device; each leaf's ``max |p_step - p_ref|`` is divided by the largest
+  entry of ``|p_ref - p|``. A step that averages per-device means over uneven
+  token counts, reduces a gradient twice or drops a reduction differs. Adam's
+  first update is about ``lr * sign(g)``: check gradient scales with SGD.
+
+  Args:
+    step: ``step(params, opt_state, batch)`` returning ``(new_params, ...)``: a
+      ``ga`` step (a window per call) or your own jitted step.
+    loss_fn: ``loss_fn(params, batch)``, the whole batch's mean loss (``(loss,
+      aux)`` with ``has_aux``); deterministic.
+    inner_tx: the optimizer the step applies (the one inside ``ga.accumulate``).
+    params, opt_state, batch: the step's arguments (not modified nor donated).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    inner_state: the reference's optimizer state; default: ``opt_state.inner_state``
+      of a ``ga`` state, else ``inner_tx.init(params)``.
+    rtol: the tolerance of ``ok``.
+
+  Returns:
+    A :class:`StepCheck`; print it for the leaves.
+
+  Raises:
+    TypeError: if ``step`` or ``loss_fn`` is not callable or ``inner_tx`` is not
+      an optax transformation.
+    ValueError: if ``rtol`` is not positive, or the step's new params do not
+      have the structure of ``params``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.ones(8)}
+    >>> tx = ga.accumulate(optax.sgd(0.1), 4)
+    >>> step = ga.train_step(loss, tx)
+    >>> w = jnp.zeros(3)
+    >>> result = ga.check_step(step, loss, optax.sgd(0.1), w, tx.init(w), batch)
+    >>> isinstance(result, ga.StepCheck), result.ok
+    (True, True)
+  """
+  for name, fn in (("step", step), ("loss_fn", loss_fn)):
+    if not callable(fn):
+      raise TypeError(f"{name} must be a function, got {fn!r}.")
+  if not isinstance(inner_tx, optax.GradientTransformation):
+    raise TypeError(
+      f"inner_tx must be an optax transformation (e.g. optax.adam), got {inner_tx!r}."
+    )
+  if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not rtol > 0:
+    raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
+  if inner_state is None and isinstance(opt_state, AccumulateState):
+    inner_state = opt_state.inner_state
+  # Host copies first: the step may donate its arguments.
+  host = jax.tree.map(np.asarray, (params, batch, inner_state))
+  copies = jax.tree.map(
+    lambda x: x.copy() if isinstance(x, jax.Array) else x, (params, opt_state, batch)
+  )
+  out = step(*copies)
+  new = jax.tree.map(np.asarray, out[0] if isinstance(out, tuple | list) else out)
+  p0, b, s0 = jax.device_put(host, jax.devices()[0])  # the single-device whole batch
+
+  @jax.jit
+  def reference(p, s, b):
+    grads = jax.grad(loss_fn, has_aux=has_aux)(p, b)
+    updates, _ = inner_tx.update(grads[0] if has_aux else grads, s, p)
+    return optax.apply_updates(p, updates)
+
+  ref = jax.tree.map(np.asarray, reference(p0, inner_tx.init(p0) if s0 is None else s0, b))
+  if jax.tree.structure(new) != jax.tree.structure(ref):
+    raise ValueError(
+      f"The step's new params have the structure {jax.tree.structure(new)}, the params"
+      f" {jax.tree.structure(ref)}: step must return (new_params, ...)."
+    )
+  diff = lambda a, b: float(np.max(np.abs(np.float64(a) - b), initial=0))  # noqa: E731
+  scale = max(map(diff, jax.tree.leaves(ref), jax.tree.leaves(host[0])), default=0.0)
+  paths = [jax.tree_util.keystr(path) or "params" for path, _ in jax.tree.leaves_with_path(ref)]
+  max_abs = dict(zip(paths, map(diff, jax.tree.leaves(new), jax.tree.leaves(ref)), strict=True))
+  max_rel = {p: a / scale if scale > 0 else (0.0 if a == 0 else np.inf) for p, a in max_abs.items()}
+  ok = all(np.isfinite(v) and v <= rtol for v in max_rel.values())
+  return StepCheck(bool(ok), float(rtol), scale, max_abs, max_rel)

@@ -1,0 +1,276 @@
+"""ga.inspect_step and ga.check_step on 8 CPU devices: the collectives of the compiled step, where
+they run and what they move, its memory, and one window against the whole-batch update."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import init_mlp, xent_loss
+from jax.sharding import PartitionSpec as P
+from test_sharding import FSDP, SIZES, D, data, mesh_1d, naive_window, put, token_batch, token_loss
+
+import gradaccum_jax as ga
+
+PARAMS = init_mlp(jax.random.key(0), SIZES)
+PARAM_BYTES = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(PARAMS))  # float32 leaves
+LEAVES = len(jax.tree.leaves(PARAMS))
+
+
+def built(k, specs=None, gather="once", inner=None, loss_fn=xent_loss, batch=None, **kwargs):
+  """``(step, its arguments)`` of ga.train_step on the 8-device mesh."""
+  mesh = mesh_1d()
+  tx = ga.accumulate(inner or optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), k)
+  step = ga.train_step(loss_fn, tx, mesh=mesh, param_specs=specs, gather_params=gather, **kwargs)
+  p = put(PARAMS, mesh, P() if specs is None else specs)
+  batch = data(D * k * 2) if batch is None else batch
+  return step, (p, tx.init(p), put(batch, mesh, P("data")))
+
+
+def close(a, b):
+  return abs(a - b) <= 0.01 * b
+
+
+# --- the reader, on a hand-written module: every count known ----------------------------------
+
+HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%gather_fusion (p: f32[4]) -> f32[32] {
+  ROOT %ag = f32[32]{0} all-gather(f32[4]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %f = f32[32]{0} fusion(f32[4]{0} %x), kind=kLoop, calls=%gather_fusion
+  %ars = bf16[4,2]{1,0} all-reduce-start(bf16[4,2]{1,0} %y), to_apply=%add
+  %ard = bf16[4,2]{1,0} all-reduce-done(bf16[4,2]{1,0} %ars)
+  ROOT %t2 = (s32[], f32[4]) tuple(%i, %x)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+%branch (q: f32[8]) -> f32[1] {
+  ROOT %rs = f32[1]{0} reduce-scatter(f32[8]{0} %q), dimensions={0}, to_apply=%add
+}
+
+%other (q: f32[8]) -> f32[8] {
+  ROOT %cp = f32[8]{0} collective-permute(f32[8]{0} %q), source_target_pairs={{0,1}}
+}
+
+ENTRY %main (x: f32[4]) -> (f32[], f32[16]) {
+  %w = (s32[], f32[4]) while((s32[], f32[4]) %t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %c = f32[1]{0} conditional(pred[] %p, f32[8]{0} %q, f32[8]{0} %q), true_computation=%branch, false_computation=%other
+  %ags = (f32[2]{0}, f32[16]{0}) all-gather-start(f32[2]{0} %z), dimensions={0}
+  %agd = f32[16]{0} all-gather-done((f32[2]{0}, f32[16]{0}) %ags)
+  ROOT %ar = (f32[], f32[3,5]{1,0}) all-reduce(f32[] %l, f32[3,5]{1,0} %g), to_apply=%add
+}
+"""
+
+
+class FakeCompiled:
+  def __init__(self, text, memory=None):
+    self.text, self.memory = text, memory
+
+  def as_text(self):
+    return self.text
+
+  def memory_analysis(self):
+    return self.memory
+
+
+def test_the_reader_counts_loops_branches_fusions_and_async_pairs_once():
+  report = ga.StepReport.from_compiled(FakeCompiled(HLO))
+  assert report.in_loop == {"all-gather": 1, "all-reduce": 1}  # via the fusion; start/done once
+  assert report.in_loop_bytes == {"all-gather": 32 * 4, "all-reduce": 8 * 2}
+  assert report.after_loop == {"reduce-scatter": 1, "collective-permute": 1, "all-gather": 1, "all-reduce": 1}  # fmt: skip
+  assert report.after_loop_bytes == {
+    "reduce-scatter": 4, "collective-permute": 32, "all-gather": 64, "all-reduce": 4 + 60,
+  }  # fmt: skip
+  by_name = {c.name: c for c in report.collectives}
+  assert set(by_name) == {"ag", "ard", "rs", "cp", "agd", "ar"}
+  assert by_name["rs"].in_branch and by_name["cp"].in_branch and not by_name["ar"].in_branch
+  assert by_name["ar"].shapes == ((), (3, 5)) and by_name["ag"].computation == "gather_fusion"
+  assert report.loops == (ga._inspect.Loop("w", "main", 6, False),)
+  assert report.peak_bytes is None and "no memory" not in repr(report)
+
+
+# --- ga.train_step on the mesh: where its collectives run, what they move -----------------------
+
+
+@pytest.mark.slow
+def test_a_replicated_step_reduces_once_after_the_loop_whatever_k():
+  found = {}
+  for k in (2, 4, 8):
+    step, args = built(k)
+    report = found[k] = ga.inspect_step(step, *args)
+    assert report.in_loop == {} and report.after_loop == {"all-reduce": 1}, report
+    assert k in [loop.trip_count for loop in report.loops], report.loops
+    # The gradients and the loss sum, one tuple all-reduce: the params' bytes and a scalar.
+    assert close(report.after_loop_bytes["all-reduce"], PARAM_BYTES), report
+    report.check(max_in_loop=0, max_after_loop={"all-reduce": 1})
+  shapes = {k: [(c.kind, c.shapes) for c in r.collectives] for k, r in found.items()}
+  assert shapes[2] == shapes[4] == shapes[8], shapes
+  assert "all-reduce" in repr(found[2]) and "trips" in repr(found[2])
+
+
+@pytest.mark.slow
+def test_a_plain_jit_of_a_scan_reduces_in_the_loop_and_fails_the_check():
+  mesh, k = mesh_1d(), 4
+  batch = put(data(D * k * 2), mesh, P("data"))
+  step = jax.jit(naive_window, static_argnums=2)
+  report = ga.inspect_step(step, put(PARAMS, mesh, P()), batch, k)
+  assert report.in_loop.get("all-reduce", 0) >= 1, report
+  with pytest.raises(ValueError, match=r"all-reduce in a loop \(allowed 0\)") as err:
+    report.check(max_in_loop=0)
+  for c in report.collectives:
+    assert (f"%{c.name} in %{c.computation} ({c.bytes} bytes)" in str(err.value)) == c.in_loop
+  report.check(max_in_loop=None)  # no budget: passes
+
+
+@pytest.mark.slow
+def test_fsdp_gathers_and_reduce_scatters_outside_the_loop_once_and_inside_per_microbatch():
+  for gather in ("once", "per_microbatch"):
+    step, args = built(4, FSDP, gather)
+    report = ga.inspect_step(step, *args)
+    inside, outside = (
+      (report.in_loop, report.after_loop)
+      if gather == "per_microbatch"
+      else (report.after_loop, report.in_loop)
+    )
+    sizes = report.in_loop_bytes if gather == "per_microbatch" else report.after_loop_bytes
+    # One all-gather of every param (to its full size), one reduce-scatter of its gradient
+    # (to its 1/D shard); on the other side of the loop neither (only scalar all-reduces).
+    assert inside["all-gather"] == inside["reduce-scatter"] == LEAVES, report
+    assert not {"all-gather", "reduce-scatter"} & set(outside), report
+    assert close(sizes["all-gather"], PARAM_BYTES), (sizes, PARAM_BYTES)
+    assert close(sizes["reduce-scatter"], PARAM_BYTES / D), (sizes, PARAM_BYTES)
+    budget = {"all-gather": LEAVES, "reduce-scatter": LEAVES, "all-reduce": 2}
+    if gather == "once":
+      report.check(max_in_loop=0, max_after_loop=budget)
+    else:
+      with pytest.raises(ValueError, match="all-gather in a loop"):
+        report.check(max_in_loop=0)
+
+
+@pytest.mark.slow
+def test_peak_bytes_is_the_compiled_memory_analysis_and_nothing_runs():
+  calls = []
+
+  def loss_fn(params, mb):
+    jax.debug.callback(lambda: calls.append(1))
+    return xent_loss(params, mb)
+
+  step, args = built(2, FSDP, loss_fn=loss_fn)
+  report = ga.inspect_step(step, *args)
+  assert calls == []  # compiled, not run
+  m = step.lower(*args).compile().memory_analysis()
+  expected = (
+    m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  )
+  assert report.peak_bytes == expected > 0
+  assert (report.temp_bytes, report.argument_bytes) == (m.temp_size_in_bytes, m.argument_size_in_bytes)  # fmt: skip
+  report.check(max_peak_bytes=expected)
+  with pytest.raises(ValueError, match=rf"peak_bytes={expected} > max_peak_bytes={expected - 1}"):
+    report.check(max_peak_bytes=expected - 1)
+  jax.block_until_ready(step(*args))
+  jax.effects_barrier()
+  assert calls  # the callback does run when the step runs
+
+
+# --- one window against the single-device whole-batch update -----------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "specs,gather",
+  [(None, "once"), (FSDP, "once"), (FSDP, "per_microbatch")],
+  ids=["replicated", "fsdp_once", "fsdp_per_microbatch"],
+)
+def test_check_step_passes_for_ga_steps(specs, gather):
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  step, args = built(4, specs, gather, inner=inner, donate=True)
+  before = jax.tree.map(np.asarray, args)
+  result = ga.check_step(step, xent_loss, inner, *args)
+  assert result.ok, str(result)
+  assert set(result.max_rel) == {"['layer0']['b']", "['layer0']['w']", "['layer1']['b']", "['layer1']['w']"}  # fmt: skip
+  assert result.scale > 0 and max(result.max_rel.values()) <= result.rtol
+  # The arguments are intact (the step ran on copies, donated).
+  for a, b in zip(jax.tree.leaves(args), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def shard_map_step(inner, loss_fn, reduce):
+  """A hand-written data-parallel step: per-device gradients of ``loss_fn``, ``reduce``d."""
+  mesh = mesh_1d()
+
+  def grads(params, batch):
+    return reduce(jax.grad(loss_fn)(params, batch))
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    g = jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(params, batch)
+    updates, opt_state = inner.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+# Under shard_map the gradient of replicated params comes summed over the devices already (the
+# transpose of their implicit broadcast to every device): the mean is that sum over D, and a
+# pmean on top of it reduces the gradient a second time (D times the mean).
+def mean(tree):
+  return jax.tree.map(lambda g: g / D, tree)
+
+
+def pmean_again(tree):
+  return jax.tree.map(lambda g: jax.lax.pmean(g, "data"), tree)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "name,loss_fn,reduce,batch,inner,ok",
+  [
+    ("equal rows, the mean", xent_loss, mean, data(D * 4), optax.sgd(0.1), True),
+    ("uneven tokens, mean of means", token_loss, mean, token_batch(D * 2), optax.sgd(0.1), False),
+    ("gradient reduced twice", xent_loss, pmean_again, data(D * 4), optax.sgd(0.1), False),
+    # Adam's first update is about lr * sign(g): blind to the gradient's scale (docs/verifying.md).
+    ("reduced twice, adam", xent_loss, pmean_again, data(D * 4), optax.adam(1e-2), True),
+  ],
+  ids=["mean", "mean_of_means", "reduced_twice", "reduced_twice_adam"],
+)
+def test_check_step_flags_hand_written_steps_that_are_not_the_big_batch(
+  name, loss_fn, reduce, batch, inner, ok
+):
+  if loss_fn is token_loss:  # the devices really hold different numbers of tokens
+    assert len(set(batch["mask"].reshape(D, -1).sum(1).tolist())) > 1
+  mesh = mesh_1d()
+  p = put(PARAMS, mesh, P())
+  result = ga.check_step(
+    shard_map_step(inner, loss_fn, reduce), loss_fn, inner, p, inner.init(p), put(batch, mesh, P("data"))
+  )  # fmt: skip
+  assert result.ok == ok, (name, str(result))
+  assert ("NOT equivalent" in str(result)) != ok and ("<- differs" in str(result)) != ok
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_input_gets_errors_that_say_what_to_change():
+  with pytest.raises(TypeError, match="step must be a function"):
+    ga.inspect_step(42)
+  with pytest.raises(ValueError, match="could not lower and compile"):
+    ga.inspect_step(lambda x: float(x) * 2, jnp.ones(()))
+  report = ga.inspect_step(jax.jit(jnp.sin), jnp.ones(3))
+  with pytest.raises(ValueError, match="unknown collective 'all-reduse'"):
+    report.check(max_in_loop={"all-reduse": 0})
+  with pytest.raises(ValueError, match="count >= 0 for 'all-reduce', got -1"):
+    report.check(max_after_loop=-1)
+  with pytest.raises(TypeError, match="inner_tx must be an optax transformation"):
+    ga.check_step(jnp.sin, jnp.sin, "adam", jnp.ones(3), (), {})
+  with pytest.raises(ValueError, match="rtol must be a positive float"):
+    ga.check_step(jnp.sin, jnp.sin, optax.sgd(0.1), jnp.ones(3), (), {}, rtol=0)
