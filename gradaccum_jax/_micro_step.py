@@ -446,48 +446,36 @@ def micro_step(
 ) -> MicroStep:
   r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
 
-  For a data loader that yields micro-batches: ``step(params, state, microbatch,
-  rng=None)`` adds the micro-batch's :math:`w_i g_i` and :math:`w_i L_i` to the sums
-  in ``state`` (``tx.init(params)``, or any mode's state); the call that completes the window of
-  ``tx = ga.accumulate(inner, k)`` applies ``inner`` once to
-  :math:`G = \sum_i w_i g_i / \sum_i w_i` (with ``value=`` the window's mean loss)
-  through the same closing code as :func:`train_step`, in a ``lax.cond`` that
-  ``jax.grad`` goes through. With ``mesh``, every device adds its own rows' sums to
-  its own slot of the state with no collective; only the closing call reduces
-  them, once per window (a plain ``jit`` of ``value_and_grad`` + ``tx.update``
-  all-reduces every call). Slots, checkpoints and mesh changes:
-  docs/data_parallel.md.
+  For a data loader that yields micro-batches: ``step(params, state, microbatch, rng=None)``
+  adds the micro-batch's :math:`w_i g_i` and :math:`w_i L_i` to the sums in ``state``
+  (``tx.init(params)``, or any mode's state); the call that completes the window of ``tx``
+  applies ``inner`` once to :math:`G = \sum_i w_i g_i / \sum_i w_i` through the same
+  closing code as :func:`train_step`, in a ``lax.cond`` that ``jax.grad`` goes through. With
+  ``mesh``, every device adds its rows' sums to its own slot of the state; only the closing
+  call reduces them, once per window (slots and checkpoints: docs/data_parallel.md).
 
   Args:
-    loss_fn: as in :func:`train_step` (``has_state``: with the model state).
+    loss_fn, has_aux, weight_fn, has_state: as in :func:`train_step`.
     tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
-    has_aux, weight_fn, has_state: as in :func:`train_step`. A voided window
-      returns the float model state as the window found it.
     mesh, data_axis, param_specs: as in :func:`train_step`.
-    donate: donate ``params``, ``state`` (and ``model_state``) to the step.
-    jit: jit the step (default), or return it traceable.
+    donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step (default).
 
   Returns:
-    A :class:`MicroStep`: ``step(params, state, microbatch, rng=None) -> (params,
-    state, metrics)``, the state a ``MicroStepState`` that every mode takes (``has_state``: ``model_state`` after ``params``, in and
-    out). ``metrics``: ``"updated"``, ``"micro_step"`` and, for the window a call
-    closes, ``"loss"``, ``"grad_norm"``, ``"weight"`` (``"aux"``); NaN on the
-    other calls. ``step.init(params, microbatch=None, model_state=None)`` makes
-    the state (a micro-batch for ``has_aux``; ``model_state`` spares a retrace).
+    A :class:`MicroStep`: ``step(params, state, microbatch, rng=None) -> (params, state,
+    metrics)`` (``model_state`` after ``params`` with ``has_state``), the state a
+    ``MicroStepState`` every mode takes; ``metrics``: ``"updated"``, ``"micro_step"`` and,
+    for the closing call, ``"loss"``, ``"grad_norm"``, ``"weight"`` (NaN on the others).
 
   Raises:
-    TypeError, ValueError: for a ``tx`` not from :func:`accumulate`, a state that
-      is not ``tx``'s, the mesh errors of :func:`train_step`, or a micro-batch
-      whose rows the data-parallel devices do not divide.
+    TypeError, ValueError: for a bad ``tx`` or state, the mesh errors of :func:`train_step`,
+      or a micro-batch whose rows the data-parallel devices do not divide.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax.numpy as jnp, optax
     >>> import gradaccum_jax as ga
-    >>> def loss_fn(w, mb):
-    ...   return jnp.mean((mb["x"] @ w - mb["y"]) ** 2)
+    >>> loss_fn = lambda w, mb: jnp.mean((mb["x"] @ w - mb["y"]) ** 2)
     >>> tx = ga.accumulate(optax.sgd(0.1), num_microbatches=2)
-    >>> step = ga.micro_step(loss_fn, tx)
-    >>> params = jnp.zeros(3)
+    >>> step, params = ga.micro_step(loss_fn, tx), jnp.zeros(3)
     >>> state = tx.init(params)
     >>> for i in range(2):
     ...   mb = {"x": jnp.ones((4, 3)), "y": jnp.full(4, 1.0 + i)}

@@ -250,67 +250,37 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
-  The batch (any pytree whose leaves share a leading axis ``B``) is split into
-  ``k = num_microbatches`` micro-batches of ``b = B / k`` rows; micro-batch
-  ``i`` holds rows ``i, i + k, i + 2k, ...`` (a strided split, so a batch
-  sharded on its leading axis never moves between devices). A
-  ``jax.lax.scan`` computes the loss and gradient of each in turn and sums
-  them into one accumulator of ``accum_dtype``; peak activation memory is
-  that of one micro-batch. With weights ``w_i`` (1, or
-  ``weight_fn(microbatch)``) the result is
-
-  .. math::
-    L = \frac{\sum_i w_i L_i}{\sum_i w_i}, \qquad
-    G = \frac{\sum_i w_i \nabla L_i}{\sum_i w_i},
-
-  so when ``loss_fn`` is the mean over the non-padding tokens of its
-  micro-batch and ``weight_fn`` counts them, ``L`` is the token-level mean
-  over the whole batch (not a mean of per-micro-batch means). A micro-batch of
-  weight 0 contributes nothing, even a NaN; if all weights are 0 the loss,
-  gradients and float aux are 0.
+  The batch (leaves sharing a leading axis ``B``) is split into ``k`` micro-batches of
+  ``B / k`` rows (micro-batch ``i`` holds rows ``i, i + k, ...``, so a sharded batch never
+  moves); a ``lax.scan`` sums their weighted losses and gradients, holding one micro-batch's
+  activations: :math:`L = \sum_i w_i L_i / \sum_i w_i` and
+  :math:`G = \sum_i w_i \nabla L_i / \sum_i w_i` (``w_i`` 1, or ``weight_fn``: with a
+  token count, ``L`` is the batch's token mean). A weight-0 micro-batch adds nothing, even NaN.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch[, rng])`` returning the scalar mean
-      loss of the micro-batch, or ``(loss, aux)`` with ``has_aux``.
+    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss, or
+      ``(loss, aux)`` with ``has_aux`` (float aux averaged, integer aux summed).
     num_microbatches: ``k``, a positive int that divides the batch size.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``: float aux leaves are averaged
-      with the weights, integer and bool leaves summed.
-    weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens);
-      ``None`` weighs all equally.
+    weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens), or None.
     accum_dtype: the accumulator's dtype (float32; ``None``: the gradients').
-    has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
-      ``(loss, new_model_state)``; the function then takes ``(params,
-      model_state, batch, rng=None)``.
-    batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm running
-      statistics are updated: ``"sequential"`` (each micro-batch in turn),
-      ``"per_window"`` (once, from the pooled window) or ``"frozen"``
-      (docs/models.md).
-    compute_dtype: float params are cast to it (e.g. ``jnp.bfloat16``) before
-      ``loss_fn``; gradients come back in the params' dtype.
-    mesh, data_axis, param_specs, gather_params: accumulate data-parallel, one
-      reduction per window, with replicated or sharded params, as in
-      :func:`train_step` (docs/data_parallel.md); call under ``jax.jit``.
+    has_state: ``loss_fn(params, model_state, microbatch[, rng]) -> (loss, new_state)``.
+    batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm statistics update:
+      ``"sequential"``, ``"per_window"`` or ``"frozen"`` (docs/models.md).
+    compute_dtype: float params are cast to it (e.g. ``jnp.bfloat16``) before ``loss_fn``.
+    mesh, data_axis, param_specs, gather_params: as in :func:`train_step` (call under jit).
 
   Returns:
-    ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss,
-    grads)`` (``((loss, aux), grads)`` with ``has_aux``; with ``has_state``
-    ``model_state`` after ``params`` and ``(loss, new_model_state)``). Micro-batch
-    ``i`` gets the key ``fold_in(rng, i)``; ``num_real_microbatches`` as in
-    :func:`train_step`.
+    ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss, grads)``
+    (``((loss, aux), grads)`` with ``has_aux``; with ``has_state``, ``model_state`` after
+    ``params`` and ``(loss, new_model_state)``); micro-batch ``i`` gets ``fold_in(rng, i)``.
 
   Raises:
-    TypeError, ValueError: eagerly for a bad ``num_microbatches``, or a
-      ``mesh`` that lacks ``data_axis``; at call
-      (trace) time when the batch size is not divisible by ``k`` (by
-      devices x ``k`` with ``mesh``), when batch
-      leaves have different leading dimensions, or when the loss or a weight
-      is not a scalar.
+    TypeError, ValueError: for a bad ``k`` or mesh, a batch ``k`` does not divide, a bad loss.
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import gradaccum_jax as ga
-    >>> def loss_fn(w, batch):
-    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
     >>> batch = {"x": jnp.arange(16.0).reshape(8, 2) / 8, "y": jnp.ones(8)}
     >>> w = jnp.array([0.5, -0.5])
     >>> loss, grads = ga.value_and_grad(loss_fn, num_microbatches=4)(w, batch)

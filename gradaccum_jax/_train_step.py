@@ -46,55 +46,41 @@ def train_step(
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
-  ``step(params, state, batch, rng=None)`` splits ``batch`` into the ``k``
-  micro-batches of ``tx = ga.accumulate(inner, k)`` (micro-batch ``i`` holds rows
-  ``i, i + k, ...``), scans their weighted gradients into ``state``'s fp32
-  accumulator and closes the window as the ``k``-th ``tx.update`` would: one
-  ``inner`` update on :math:`G = \sum_i w_i g_i / \sum_i w_i`, in one XLA program
-  that holds one micro-batch's activations. ``state`` is ``tx.init(params)``, so
-  modes, checkpoints and a window left open by streaming calls mix freely. Data
-  parallelism, sharded params and their memory: docs/data_parallel.md.
+  ``step(params, state, batch, rng=None)`` splits ``batch`` into the ``k`` micro-batches of
+  ``tx = ga.accumulate(inner, k)`` (micro-batch ``i`` holds rows ``i, i + k, ...``), scans
+  their weighted gradients into ``state``'s fp32 accumulator and closes the window as the
+  ``k``-th ``tx.update`` would: one ``inner`` update on
+  :math:`G = \sum_i w_i g_i / \sum_i w_i`, in one XLA program that holds one micro-batch's
+  activations. ``state`` is ``tx.init(params)`` (any mode's). Meshes: docs/data_parallel.md.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch[, rng])`` returning the mean loss of the
-      micro-batch (``(loss, aux)`` with ``has_aux``).
+    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss
+      (``(loss, aux)`` with ``has_aux``; with ``has_state``, ``loss_fn(params, model_state,
+      microbatch[, rng]) -> (loss, new_model_state)`` and the step takes and returns
+      ``model_state`` after ``params``).
     tx: made by :func:`accumulate` with an int ``num_microbatches``.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``.
     weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens).
-    donate: donate ``params`` and ``state``, updated in place.
-    jit: return the step jitted (default) or traceable, for your own ``jit``.
-    has_state: ``loss_fn(params, model_state, microbatch[, rng])`` returns
-      ``(loss, new_model_state)``; the step takes and returns ``model_state``
-      after ``params``. A voided window keeps its float leaves as they were.
+    donate, jit: donate ``params`` and ``state``; return the step jitted (default).
     batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
-    mesh, data_axis: train data-parallel over ``mesh``'s ``data_axis``
-      (``"data"``), one reduction per window.
-    param_specs, gather_params, memory_budget_bytes: sharded (FSDP) params and how
-      they are gathered: ``"once"``, ``"per_microbatch"`` or ``"auto"`` (the
-      compiled memory against the budget).
+    mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
+      ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
 
   Returns:
-    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) ->
-    (params, state, metrics)``: ``"loss"``, ``"grad_norm"``, ``"weight"``,
-    ``"updated"`` (False for a voided window), ``"aux"`` with ``has_aux`` and the
-    noise-scale estimates with ``noise_scale_ema``. ``num_real_microbatches=m``
-    computes and counts micro-batches ``0..m-1`` only (docs/usage.md).
+    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params,
+    state, metrics)`` with ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"`` (and
+    ``"aux"``, noise-scale estimates); ``num_real_microbatches=m`` uses micro-batches
+    ``0..m-1`` only (docs/usage.md).
 
   Raises:
-    TypeError, ValueError: for a ``tx`` not from :func:`accumulate` or with a
-      schedule, a mesh without ``data_axis``; at the first call, for a batch ``k``
-      (devices x ``k``) does not divide, a mismatched ``state`` or ``param_specs``.
+    TypeError, ValueError: for a bad ``tx``, mesh, batch size, ``state`` or ``param_specs``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax.numpy as jnp, optax
     >>> import gradaccum_jax as ga
-    >>> def loss_fn(w, batch):
-    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
     >>> tx = ga.accumulate(optax.adam(1e-2), num_microbatches=4)
-    >>> step = ga.train_step(loss_fn, tx)
-    >>> params = jnp.zeros(3)
-    >>> batch = {"x": jnp.ones((32, 3)), "y": jnp.ones(32)}
-    >>> params, state, metrics = step(params, tx.init(params), batch)
+    >>> params, batch = jnp.zeros(3), {"x": jnp.ones((32, 3)), "y": jnp.ones(32)}
+    >>> params, state, metrics = ga.train_step(loss_fn, tx)(params, tx.init(params), batch)
     >>> float(metrics["loss"]), int(state.count)
     (1.0, 1)
   """
