@@ -51,6 +51,16 @@ def test_no_import_cycle_and_no_imports_inside_functions():
     visit(node)
 
 
+def test_no_module_imports_another_modules_private_names():
+  """A module reaches another through the names the architecture page lists as its API."""
+  found = []
+  for path in sorted(PACKAGE.glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradaccum_jax."):
+        found += [(path.name, a.name) for a in node.names if a.name.startswith("_")]
+  assert not found, found
+
+
 def test_every_name_on_the_architecture_page_exists():
   text = (ROOT / "docs" / "architecture.md").read_text()
   modules = set(re.findall(r"\b(_[a-z_]+)\.py\b", text))
