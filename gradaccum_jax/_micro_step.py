@@ -57,18 +57,12 @@ class _Layout:
     plans = leaf_plans(self.dp, params)
     return jax.tree.structure(params).unflatten([self.spec(p.model_spec) for p in plans])
 
-  def zeros(self, shape: tuple[int, ...], dtype: Any, spec: P = _REPLICATED) -> jax.Array:
-    """Zeros of ``shape`` (after one slot per device with a mesh)."""
-    if self.dp is None:
-      return jnp.zeros(shape, dtype)
-    sharding = NamedSharding(self.dp.mesh, self.spec(spec))
-    return jnp.zeros((self.devices, *shape), dtype, device=sharding)
-
   def first_slot(self, x: jax.Array, spec: P = _REPLICATED) -> jax.Array:
     """``x`` in the first of ``D`` slots (the others zero), placed as the slots are."""
-    x = place(x, self.dp.mesh, spec)  # gathered over the data axes (a sharded accumulator)
-    slots = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x)).at[0].set(x)
-    return place(slots, self.dp.mesh, self.spec(spec))
+    sharding = NamedSharding(self.dp.mesh, self.spec(spec))
+    x = place(jnp.asarray(x), self.dp.mesh, spec)  # gathered over the data axes
+    zeros = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x), device=sharding)
+    return zeros.at[0].set(x, out_sharding=sharding)
 
 
 def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> tuple[Sums, Any]:
@@ -115,89 +109,43 @@ class MicroStep:
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
   ) -> MicroStepState:
-    """The empty state for ``params`` (placed as the step expects them, with a mesh).
+    """The empty state in this step's layout (``tx.init(params)`` will do, at one compile more).
 
-    ``microbatch`` (arrays or ``jax.ShapeDtypeStruct`` leaves; with ``has_state``,
-    ``model_state`` too, and ``rng`` if ``loss_fn`` takes one) is needed with ``has_aux``
-    only: the shapes of the aux sums come from ``loss_fn``'s output on it.
+    ``microbatch`` (``jax.ShapeDtypeStruct`` leaves will do; with ``has_state``,
+    ``model_state``, and ``rng`` if ``loss_fn`` takes one) is needed with ``has_aux`` only:
+    the aux sums take their shapes from ``loss_fn``'s output on it.
     """
-    lay = self._layout
-    acc = self._acc.init(params)
-    if lay.dp is not None:
-      specs = jax.tree.leaves(lay.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
-      grads = [
-        lay.zeros(a.shape, a.dtype, P(*s[1:]))
-        for a, s in zip(jax.tree.leaves(acc.acc_grads), specs, strict=True)
-      ]
-      acc = acc._replace(
-        acc_grads=jax.tree.structure(acc.acc_grads).unflatten(grads),
-        acc_weight=lay.zeros((), jnp.float32),
+    if self._opts.loss.has_aux and microbatch is None:
+      raise ValueError(
+        "micro_step(..., has_aux=True): pass a micro-batch to init, step.init(params,"
+        " microbatch) (ShapeDtypeStructs will do), so the aux sums get their shapes."
       )
-      if acc.noise_scale is not None:
-        zero = lay.zeros((), jnp.float32)
-        acc = acc._replace(
-          noise_scale=acc.noise_scale._replace(sq_sum=zero, num=zero, examples=zero)
-        )
-    aux_sum = None
-    if self._opts.loss.has_aux:
-      if microbatch is None:
-        raise ValueError(
-          "micro_step(..., has_aux=True): pass a micro-batch to init, step.init(params,"
-          " microbatch) (ShapeDtypeStructs will do), so the aux sums get their shapes."
-        )
-      key = None if rng is None else jax.random.key(0)
-      _, aux_like, _ = jax.eval_shape(self._opts.loss.call, params, model_state, microbatch, key)
-      aux_sum = jax.tree.map(lambda a: lay.zeros(a.shape, sum_dtype(a)), aux_like)
-    start = None
+    state = self._in_layout(self._acc.init(params), params, microbatch, model_state, rng)
     if self.has_state and model_state is not None:
-      start = jax.tree.map(jnp.copy, model_state)
-    return MicroStepState(acc, lay.zeros((), jnp.float32), aux_sum, start)
+      state = state._replace(window_start=jax.tree.map(jnp.copy, model_state))
+    return state
 
   def to_accumulate_state(self, state: MicroStepState) -> AccumulateState:
     """The state as ``tx.init`` lays it out: the device slots summed (the open window's loss
     and aux sums dropped), as ``tx.update``, :func:`train_step` and :func:`flush` take it."""
     return slot_totals(self._check(state))
 
-  def convert_state(
-    self, state: MicroStepState | AccumulateState, like: MicroStepState
-  ) -> MicroStepState:
-    """``state`` in the layout of ``like`` (this step's ``init``): from another mesh (any
-    number of device slots), from no mesh, or an :class:`AccumulateState` (``tx.init``,
-    :func:`train_step`, streaming ``tx.update``).
-
-    The open window's sums are totalled over the saved slots and put in the first device's
-    slot (the others zero): their total, all that a window uses, is unchanged. An
-    :class:`AccumulateState` has no loss or aux sums: the window's ``value=`` and ``"loss"``
-    then count only the micro-batches after the conversion.
-    """
-    if isinstance(state, AccumulateState):
-      state = MicroStepState(state, like.loss_sum, like.aux_sum, like.window_start)
-    if not isinstance(state, MicroStepState):
-      raise TypeError(
-        f"convert_state takes a MicroStepState or an AccumulateState, got {type(state).__name__}."
-      )
-    per_slot = self._layout.dp is not None
-    lay_to = jax.tree.structure(_partials(like))
-    if jax.tree.structure(_partials(state)) != lay_to:
-      raise ValueError(
-        "convert_state: the saved state's accumulator does not match this step's (params,"
-        f" aux or noise sums differ):\n  saved: {jax.tree.structure(_partials(state))}\n"
-        f"  this step: {lay_to}"
-      )
-
-    def move(saved, target):
-      saved = jnp.asarray(saved)
-      if saved.ndim == target.ndim + (0 if per_slot else 1):  # saved with slots: total them
-        saved = jnp.sum(saved, axis=0)
-      if not per_slot:
-        return saved.astype(target.dtype)
-      return jax.device_put(target.at[0].set(saved.astype(target.dtype)), target.sharding)
-
-    moved = jax.tree.map(move, _partials(state), _partials(like))
-    acc = state.accumulate
-    if (acc.noise_scale is None) != (like.accumulate.noise_scale is None):
+  def convert_state(self, state: Any, like: MicroStepState) -> MicroStepState:
+    """``state`` (any mode's, from any mesh or none) in the layout of ``like``
+    (``step.init(params)``), as the step's first call would move it: the saved slots totalled
+    into the first slot (exact). Without loss sums (an :class:`AccumulateState`), the
+    window's ``value=`` and ``"loss"`` count only the micro-batches after it."""
+    state = self._check(state)
+    if jax.tree.structure(_partials(slot_totals(state))[0].grads) != jax.tree.structure(
+      _partials(slot_totals(like))[0].grads
+    ):
+      raise ValueError("convert_state: the saved state's accumulator does not match this step's.")
+    if (state.accumulate.noise_scale is None) != (like.accumulate.noise_scale is None):
       raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
-    return _with_partials(state._replace(accumulate=acc), *moved)
+    if state.aux_sum is None and like.aux_sum is not None:  # zeros, shaped as one slot
+      one = like.aux_sum if self._layout.dp is None else jax.tree.map(lambda x: x[0], like.aux_sum)
+      state = state._replace(aux_sum=jax.tree.map(jnp.zeros_like, one))
+    return self._in_layout(state, slot_totals(like).acc_grads, None, None, None)
 
   def _check(self, state: Any) -> MicroStepState:
     if isinstance(state, AccumulateState):
