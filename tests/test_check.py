@@ -1,6 +1,7 @@
 """ga.check_equivalence: the verdict against independent references, and the hints."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +218,27 @@ def test_on_a_mesh():
   assert fixed.ok, str(fixed)
 
 
+def test_report_labels_each_error():
+  """str and repr say which relative error is the loss's and which the gradient's."""
+  report = ga.EquivalenceReport(
+    ok=False, num_microbatches=2, weighted=False, rtol=1e-5, loss_whole=2.0,
+    loss_accumulated=2.5, loss_rel_error=0.25, max_rel_grad_error=0.125,
+    mean_of_means_loss=2.5, mean_of_means_error=0.5,
+  )  # fmt: skip
+  lines = str(report).splitlines()
+  assert re.fullmatch(
+    r"  loss relative error +2\.50e-01 \(whole batch 2, accumulated 2\.5\)", lines[1]
+  )
+  assert re.match(
+    r"  gradient relative error +1\.25e-01 \(largest \|accumulated - whole\|", lines[2]
+  )
+  assert re.match(
+    r"  naive mean of micro-batch means: loss 2\.5, relative error 5\.00e-01", lines[3]
+  )
+  assert lines[3].endswith("(the larger of loss and gradient)")
+  assert "loss_rel_error=0.25" in repr(report) and "max_rel_grad_error=0.125" in repr(report)
+
+
 @pytest.mark.slow
 def test_report_is_frozen():
   params = init_mlp(jax.random.key(0))
@@ -232,11 +254,11 @@ def test_report_is_frozen():
       3,
       {},
       ValueError,
-      r"batch size B=16 is not divisible by num_microbatches k=3.*\[1, 2, 4, 8, 16\]",
+      r"batch size B=16 is not divisible by num_microbatches k=3.*divisors: 1, 2, 4, 8, 16\)",
     ),
     (0, {}, ValueError, r"num_microbatches=0"),
-    (2.0, {}, TypeError, r"num_microbatches must be a positive int, got 2.0"),
-    (True, {}, TypeError, r"got True"),
+    (2.0, {}, TypeError, r"num_microbatches=2.0 must be a positive int"),
+    (True, {}, TypeError, r"num_microbatches=True must be a positive int"),
     (2, {"rtol": 0.0}, ValueError, r"rtol=0.0"),
     (2, {"rtol": "1e-5"}, TypeError, r"rtol must be a positive float, got '1e-5'"),
     (2, {"data_axis": "data"}, ValueError, r"data_axis= needs mesh="),
@@ -256,7 +278,7 @@ def test_bad_batch_and_loss_fn():
     ga.check_equivalence(xent_loss, params, {"x": batch["x"], "y": batch["y"][:8]}, 2)
   with pytest.raises(TypeError, match="loss_fn must be a function"):
     ga.check_equivalence("xent", params, batch, 2)
-  with pytest.raises(ValueError, match=r"B=16 is not divisible by 8 devices .* k=4"):
+  with pytest.raises(ValueError, match=r"B=16 is not divisible by 32 = 8 devices .* k=4"):
     ga.check_equivalence(xent_loss, params, batch, 4, mesh=mesh_8())
   with pytest.raises(ValueError, match=r"data_axis='batch' names 'batch'"):
     ga.check_equivalence(xent_loss, params, batch, 2, mesh=mesh_8(), data_axis="batch")
