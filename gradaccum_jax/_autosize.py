@@ -12,7 +12,7 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, accumulate
 from gradaccum_jax._checks import check_batch, check_num_microbatches
-from gradaccum_jax._sharding import compiled_bytes
+from gradaccum_jax._memory import compiled_bytes, device_memory_budget, memory_analysis
 from gradaccum_jax._train_step import train_step
 
 
@@ -26,10 +26,7 @@ def _memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, step_kwargs):
   acc_tx = accumulate(optax.sgd(0.0) if tx is None else tx, k, accum_dtype=accum_dtype)
   args = jax.eval_shape(lambda p, b: (p, acc_tx.init(p), b), params, batch)  # shapes only
   compiled = train_step(loss_fn, acc_tx, **step_kwargs).lower(*args).compile()
-  analysis = compiled.memory_analysis()
-  if analysis is None:
-    raise RuntimeError(f"XLA on {jax.default_backend()} gives no memory analysis; pick k by hand.")
-  return analysis
+  return memory_analysis(compiled, "ga.auto_microbatch cannot size k; pick it by hand")
 
 
 def step_memory(
@@ -124,7 +121,10 @@ def auto_microbatch(
     >>> ga.auto_microbatch(loss_fn, jnp.zeros(3), batch, memory_budget_bytes=2**30)
     1
   """
-  budget = _device_budget() if memory_budget_bytes is None else memory_budget_bytes
+  needs = "auto_microbatch compares the compiled step's memory with a budget"
+  budget = memory_budget_bytes
+  if budget is None:
+    budget = device_memory_budget(jax.devices()[0], needs)
   if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
     raise TypeError(f"memory_budget_bytes={budget!r} must be a number of bytes (an int).")
   if not budget > 0:
@@ -145,15 +145,3 @@ def auto_microbatch(
     " and accumulator. Raise the budget, pass a smaller batch, use donate=True, or shrink the"
     " model (remat inside loss_fn, bf16 compute_dtype)."
   )
-
-
-def _device_budget() -> int:
-  """The default device's ``memory_stats()["bytes_limit"]``, or an error asking for a budget."""
-  device = jax.devices()[0]
-  stats = device.memory_stats() or {}
-  if "bytes_limit" not in stats:
-    raise ValueError(
-      f"The default device ({device.platform}: {device}) reports no memory limit, so there is"
-      " no default budget. Pass memory_budget_bytes=, the bytes the training step may use."
-    )
-  return int(stats["bytes_limit"])

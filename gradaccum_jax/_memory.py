@@ -30,17 +30,12 @@ def memory_analysis(compiled: Any, what: str) -> Any:
   return analysis
 
 
-def device_memory_budget(mesh: jax.sharding.Mesh, where: str) -> int:
-  """The memory limit of the mesh's first device (``memory_stats()["bytes_limit"]``).
-
-  The same reading as ``ga.auto_microbatch``'s default; a backend without it (CPU) raises.
-  """
-  device = mesh.devices.flat[0]
-  stats = device.memory_stats()
-  if not stats or "bytes_limit" not in stats:
+def device_memory_budget(device: Any, needs: str) -> int:
+  """``device.memory_stats()["bytes_limit"]``, or a ValueError saying what ``needs`` it."""
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
     raise ValueError(
-      f"{where}: gather_params='auto' compares the compiled memory of both policies with a"
-      f" budget, but the device ({device.platform}: {device}) reports no memory limit"
+      f"{needs}, but the device ({device.platform}: {device}) reports no memory limit"
       f" (memory_stats() is {stats!r}). Pass memory_budget_bytes=, the bytes per device the"
       " step may use."
     )

@@ -62,7 +62,9 @@ class _Layout:
     sharding = NamedSharding(self.dp.mesh, self.spec(spec))
     x = place(jnp.asarray(x), self.dp.mesh, spec)  # gathered over the data axes
     zeros = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x), device=sharding)
-    return zeros.at[0].set(x, out_sharding=sharding)
+    if any(t == AxisType.Explicit for t in self.dp.mesh.axis_types):  # a typed sharding
+      return zeros.at[0].set(x, out_sharding=sharding)
+    return place(zeros.at[0].set(x), self.dp.mesh, self.spec(spec))
 
 
 def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> tuple[Sums, Any]:

@@ -110,7 +110,8 @@ def make_data_parallel(
     )
   budget = None
   if gather_params == "auto":
-    budget = int(memory_budget_bytes or device_memory_budget(mesh, where))
+    needs = f"{where}: gather_params='auto' compares the policies' compiled memory with a budget"
+    budget = int(memory_budget_bytes or device_memory_budget(mesh.devices.flat[0], needs))
   return DataParallel(mesh, axes, param_specs, gather_params, budget)
 
 
