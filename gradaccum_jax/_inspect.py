@@ -331,10 +331,7 @@ def check_step(
     A :class:`StepCheck`; print it for the leaves.
 
   Raises:
-    TypeError: if ``step`` or ``loss_fn`` is not callable or ``inner_tx`` is not
-      an optax transformation.
-    ValueError: if ``rtol`` is not positive, or the step's new params do not
-      have the structure of ``params``.
+    TypeError, ValueError: for a bad argument, or new params unlike ``params``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

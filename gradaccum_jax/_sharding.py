@@ -51,15 +51,8 @@ class DataParallel:
     return dataclasses.replace(self, gather=gather)
 
 
-def make_data_parallel(
-  mesh: Any,
-  data_axis: Any,
-  param_specs: Any,
-  where: str,
-  gather_params: str = "once",
-  memory_budget_bytes: int | None = None,
-) -> DataParallel | None:
-  """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
+def _check_gather(gather_params: Any, memory_budget_bytes: Any, where: str) -> None:
+  """``gather_params`` and its ``memory_budget_bytes``, checked."""
   if gather_params not in GATHER_POLICIES:
     raise ValueError(
       f"{where}: gather_params={gather_params!r} must be one of"
@@ -75,6 +68,18 @@ def make_data_parallel(
       raise TypeError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a number.")
     if not memory_budget_bytes > 0:
       raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be > 0.")
+
+
+def make_data_parallel(
+  mesh: Any,
+  data_axis: Any,
+  param_specs: Any,
+  where: str,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
+) -> DataParallel | None:
+  """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
+  _check_gather(gather_params, memory_budget_bytes, where)
   if mesh is None:
     given = [
       name
