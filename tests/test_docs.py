@@ -105,3 +105,16 @@ def test_sphinx_builds_without_warnings(tmp_path):
   assert notebooks and all((tmp_path / "notebooks" / f"{n}.html").is_file() for n in notebooks)
   api = (tmp_path / "api" / "transformation.html").read_text()
   assert 'id="gradaccum_jax.accumulate"' in api  # autodoc rendered, not printed as text
+  assert "sphinx-book-theme" in index and "copybutton.js" in index  # the theme, the button
+  # Math renders offline: MathJax is loaded from the site itself, and no page loads a script,
+  # stylesheet or font from the network.
+  assert 'class="math' in api and 'src="../_static/mathjax/tex-chtml.js"' in api
+  assert (tmp_path / "_static" / "mathjax" / "tex-chtml.js").is_file()
+  fonts = tmp_path / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+  assert any(fonts.glob("*.woff")), "MathJax's fonts are not in the site"
+  remote = re.compile(r"<(?:script|link)\b[^>]*\b(?:src|href)=\"(?:https?:)?//[^\"]*\"")
+  for html in tmp_path.rglob("*.html"):
+    found = remote.findall(html.read_text())
+    assert not found, f"{html.relative_to(tmp_path)} loads from the network: {found}"
+  css = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "_static").rglob("*.css"))
+  assert not re.findall(r"url\([\"']?(?:https?:)?//", css), "a stylesheet loads from the network"
