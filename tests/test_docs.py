@@ -7,7 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from helpers import assert_trees_close
 
 import gradaccum_jax as ga
 
@@ -60,6 +64,39 @@ def python_blocks(path):
   return re.findall(r"^ *```python\n(.*?)^ *```", path.read_text(), re.S | re.M)
 
 
+def run_blocks(page, namespace=None):
+  """Run the page's python blocks in order in ``namespace`` (a new one by default); return it."""
+  namespace = {} if namespace is None else namespace
+  blocks = python_blocks(page)
+  assert blocks, page
+  for block in blocks:
+    exec(compile(textwrap.dedent(block), str(page), "exec"), namespace)
+  return namespace
+
+
+# Pages whose snippets start from nothing, each run by its own test below (the guide pages run by
+# test_docs_python_blocks_run continue the README's Quick start instead).
+STANDALONE = ("migrating.md",)
+
+
+def test_migrating_snippets_match_their_before():
+  """docs/migrating.md: every "after" gives the parameters and counters of its "before"."""
+  ns = run_blocks(DOCS / "migrating.md")
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), ns["ms_params"], ns["params"])
+  assert all(jax.tree.leaves(moved)), "the MultiSteps window did not move every param"
+  assert_trees_close(ns["ga_params"], ns["ms_params"])
+  assert_trees_close(ns["stream_params"], ns["ms_params"])
+  assert (int(ns["ms_state"].mini_step), int(ns["ms_state"].gradient_step)) == (0, 1)
+  assert (int(ns["ga_state"].micro_step), int(ns["ga_state"].count)) == (0, 1)
+  # Linen: the same params; TrainState.step counted micro-batches before and windows after.
+  assert_trees_close(ns["ga_ts"].params, ns["ms_ts"].params)
+  assert (int(ns["ms_ts"].step), int(ns["ga_ts"].step)) == (ns["k"], 1)
+  assert_trees_close(ns["ga_drop"].params, ns["ms_drop"].params)  # the same dropout masks
+  # NNX: the same params; Optimizer.step counted micro-batches before and windows after.
+  assert_trees_close(nnx.state(ns["ga_model"], nnx.Param), nnx.state(ns["ms_model"], nnx.Param))
+  assert (int(ns["ms_opt"].step[...]), int(ns["ga_opt"].step[...])) == (ns["k"], 1)
+
+
 @pytest.mark.slow
 def test_docs_python_blocks_run():
   """The snippets of the guide pages run in order, continuing the README's Quick start."""
@@ -68,12 +105,10 @@ def test_docs_python_blocks_run():
     DOCS / f"{n}.md" for n in ("usage", "choosing_k", "data_parallel")
   ]
   for page in pages:
-    blocks = python_blocks(page)
-    assert blocks, page
-    for block in blocks:
-      exec(compile(textwrap.dedent(block), str(page), "exec"), namespace)
+    run_blocks(page, namespace)
   assert isinstance(namespace["k"], int) and int(namespace["dp_state"].count) == 1
-  others = [p for p in doc_pages() if p not in pages and python_blocks(p)]
+  standalone = [DOCS / name for name in STANDALONE]
+  others = [p for p in doc_pages() if p not in pages + standalone and python_blocks(p)]
   assert not others, f"python blocks not run by this test: {others}"
 
 
