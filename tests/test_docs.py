@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from helpers import assert_trees_close
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 
@@ -76,7 +77,15 @@ def run_blocks(page, namespace=None):
 
 # Pages whose snippets start from nothing, each run by its own test below (the guide pages run by
 # test_docs_python_blocks_run continue the README's Quick start instead).
-STANDALONE = ("migrating.md",)
+STANDALONE = ("migrating.md", "models.md")
+
+
+def test_models_nnx_check_equivalence():
+  """docs/models.md: the masked token loss of an NNX model fails the check unweighted and passes
+  weighted by tokens."""
+  ns = run_blocks(DOCS / "models.md")
+  assert not ns["unweighted"].ok and ns["unweighted"].cause == "weighting"
+  assert ns["weighted"].ok and ns["weighted"].weighted
 
 
 def test_migrating_snippets_match_their_before():
@@ -106,7 +115,29 @@ def test_docs_python_blocks_run():
   ]
   for page in pages:
     run_blocks(page, namespace)
-  assert isinstance(namespace["k"], int) and int(namespace["dp_state"].count) == 1
+  ns = namespace
+  assert isinstance(ns["k"], int) and int(ns["dp_state"].count) == 1
+  # usage.md: the ga.micro_step loop closed one window, equal to one fused step from there.
+  closed = ns["stream"].to_accumulate_state(ns["stream_state"])
+  assert int(closed.count) == 1 and bool(ns["stream_metrics"]["updated"])
+  fused, _, fused_metrics = ga.train_step(ns["loss_fn"], ns["tx"])(
+    ns["params"], ns["tx"].init(ns["params"]), ns["batch"]
+  )
+  assert_trees_close(ns["stream_params"], fused)
+  assert float(ns["stream_metrics"]["loss"]) == pytest.approx(float(fused_metrics["loss"]))
+  # data_parallel.md, FSDP: the 10-element bias is replicated, the rest and the optimizer's
+  # state sharded over the 8 devices, and the window equals one device's.
+  assert jax.device_count() == 8
+  specs = jax.tree.map(lambda x: x.sharding.spec, ns["fsdp_params"])
+  assert specs["out"]["b"] == P() or all(s is None for s in specs["out"]["b"])
+  assert specs["hidden"]["w"][0] == "data" and specs["out"]["w"][0] == "data"
+  mu = ns["fsdp_state"].inner_state[0].mu
+  assert mu["hidden"]["w"].sharding.spec[0] == "data"
+  one, _, _ = ga.train_step(ns["mlp_loss"], ns["fsdp_tx"])(
+    ns["mlp_params"], ns["fsdp_tx"].init(ns["mlp_params"]), ns["cls_batch"]
+  )
+  assert_trees_close(ns["fsdp_params"], one)
+  assert not bool(jnp.allclose(one["hidden"]["w"], ns["mlp_params"]["hidden"]["w"]))
   standalone = [DOCS / name for name in STANDALONE]
   others = [p for p in doc_pages() if p not in pages + standalone and python_blocks(p)]
   assert not others, f"python blocks not run by this test: {others}"
