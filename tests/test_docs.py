@@ -77,7 +77,38 @@ def run_blocks(page, namespace=None):
 
 # Pages whose snippets start from nothing, each run by its own test below (the guide pages run by
 # test_docs_python_blocks_run continue the README's Quick start instead).
-STANDALONE = ("migrating.md", "models.md")
+STANDALONE = (
+  "migrating.md",
+  "models.md",
+  *(f"api/{p.name}" for p in sorted((DOCS / "api").glob("*.md"))),
+)
+
+
+API_PAGES = sorted((DOCS / "api").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", API_PAGES, ids=lambda p: p.name)
+def test_api_pages_open_with_an_example(page):
+  """Each API page runs a short example before its first autodoc entry; its names are checked."""
+  text = page.read_text()
+  first_entry = text.index("```{eval-rst}")
+  assert "```python" in text[:first_entry], f"{page.name}: no example before the first entry"
+  ns = run_blocks(page)
+  checks = {
+    "transformation.md": lambda: bool(ga.has_updated(ns["state"])) and int(ns["state"].count) == 1,
+    "microbatched_gradient.md": lambda: (
+      abs(float(ns["loss"]) - float(ns["whole_loss"])) < 1e-6
+      and bool(jnp.allclose(ns["grads"], ns["whole_grads"], atol=1e-6))
+    ),
+    "fused_step.md": lambda: (
+      int(ns["state"].count) == 1
+      and ns["ramp"].compiled_ks() == [1, 2, 4]
+      and bool(jnp.allclose(ns["micro_w"], ns["w"]))  # 4 micro-steps = one fused window
+    ),
+    "front_ends.md": lambda: int(ns["ts"].step) == 1 and int(ns["optimizer"].opt_state.count) == 1,
+    "sizing.md": lambda: ns["k"] >= 1 and ns["lr"] == pytest.approx(0.4),
+  }
+  assert checks[page.name](), page.name
 
 
 def test_models_nnx_check_equivalence():
