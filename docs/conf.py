@@ -75,6 +75,11 @@ html_theme_options = {
   "show_toc_level": 2,
   "navigation_with_keys": False,
 }
+# custom.css wraps long code lines and, on a phone, shows tables as one card per row (custom.js
+# labels the cells with their headers): nothing is cut off at any width.
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_js_files = ["custom.js"]
 # The copy button leaves out prompts and outputs of ">>>" examples and shell "$ " lines.
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
