@@ -1,5 +1,8 @@
 """Sphinx configuration: API pages from the docstrings (autodoc + napoleon), pages in MyST
-markdown, and the notebooks rendered as stored (not executed) by myst-nb.
+markdown, and the notebooks rendered as stored (not executed) by myst-nb; sphinx-book-theme (as
+optax), a copy button on code blocks (sphinx-copybutton), and MathJax served from the built site
+itself (sphinx-mathjax-offline copies MathJax 3 into ``_static/mathjax``), so that math renders
+without a network.
 
 Build: ``sphinx-build -W -b html docs /tmp/docs_html`` (``tests/test_docs.py`` does).
 """
@@ -20,6 +23,8 @@ extensions = [
   "sphinx.ext.autodoc",
   "sphinx.ext.napoleon",
   "myst_nb",  # MyST markdown pages and .ipynb notebooks (myst-nb brings myst-parser)
+  "sphinx_copybutton",
+  "sphinx-mathjax-offline",  # sets mathjax_path to the copy of MathJax it ships in the build
 ]
 
 
@@ -64,5 +69,17 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints", "jupyter_execute"]
-html_theme = "alabaster"
+html_theme = "sphinx_book_theme"
 html_title = "gradaccum_jax"
+html_theme_options = {
+  "show_toc_level": 2,
+  "navigation_with_keys": False,
+}
+# custom.css wraps long code lines and, on a phone, shows tables as one card per row (custom.js
+# labels the cells with their headers): nothing is cut off at any width.
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_js_files = ["custom.js"]
+# The copy button leaves out prompts and outputs of ">>>" examples and shell "$ " lines.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True

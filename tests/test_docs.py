@@ -7,7 +7,12 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from helpers import assert_trees_close
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 
@@ -60,6 +65,78 @@ def python_blocks(path):
   return re.findall(r"^ *```python\n(.*?)^ *```", path.read_text(), re.S | re.M)
 
 
+def run_blocks(page, namespace=None):
+  """Run the page's python blocks in order in ``namespace`` (a new one by default); return it."""
+  namespace = {} if namespace is None else namespace
+  blocks = python_blocks(page)
+  assert blocks, page
+  for block in blocks:
+    exec(compile(textwrap.dedent(block), str(page), "exec"), namespace)
+  return namespace
+
+
+# Pages whose snippets start from nothing, each run by its own test below (the guide pages run by
+# test_docs_python_blocks_run continue the README's Quick start instead).
+STANDALONE = (
+  "migrating.md",
+  "models.md",
+  *(f"api/{p.name}" for p in sorted((DOCS / "api").glob("*.md"))),
+)
+
+
+API_PAGES = sorted((DOCS / "api").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", API_PAGES, ids=lambda p: p.name)
+def test_api_pages_open_with_an_example(page):
+  """Each API page runs a short example before its first autodoc entry; its names are checked."""
+  text = page.read_text()
+  first_entry = text.index("```{eval-rst}")
+  assert "```python" in text[:first_entry], f"{page.name}: no example before the first entry"
+  ns = run_blocks(page)
+  checks = {
+    "transformation.md": lambda: bool(ga.has_updated(ns["state"])) and int(ns["state"].count) == 1,
+    "microbatched_gradient.md": lambda: (
+      abs(float(ns["loss"]) - float(ns["whole_loss"])) < 1e-6
+      and bool(jnp.allclose(ns["grads"], ns["whole_grads"], atol=1e-6))
+    ),
+    "fused_step.md": lambda: (
+      int(ns["state"].count) == 1
+      and ns["ramp"].compiled_ks() == [1, 2, 4]
+      and bool(jnp.allclose(ns["micro_w"], ns["w"]))  # 4 micro-steps = one fused window
+    ),
+    "front_ends.md": lambda: int(ns["ts"].step) == 1 and int(ns["optimizer"].opt_state.count) == 1,
+    "sizing.md": lambda: ns["k"] >= 1 and ns["lr"] == pytest.approx(0.4),
+  }
+  assert checks[page.name](), page.name
+
+
+def test_models_nnx_check_equivalence():
+  """docs/models.md: the masked token loss of an NNX model fails the check unweighted and passes
+  weighted by tokens."""
+  ns = run_blocks(DOCS / "models.md")
+  assert not ns["unweighted"].ok and ns["unweighted"].cause == "weighting"
+  assert ns["weighted"].ok and ns["weighted"].weighted
+
+
+def test_migrating_snippets_match_their_before():
+  """docs/migrating.md: every "after" gives the parameters and counters of its "before"."""
+  ns = run_blocks(DOCS / "migrating.md")
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), ns["ms_params"], ns["params"])
+  assert all(jax.tree.leaves(moved)), "the MultiSteps window did not move every param"
+  assert_trees_close(ns["ga_params"], ns["ms_params"])
+  assert_trees_close(ns["stream_params"], ns["ms_params"])
+  assert (int(ns["ms_state"].mini_step), int(ns["ms_state"].gradient_step)) == (0, 1)
+  assert (int(ns["ga_state"].micro_step), int(ns["ga_state"].count)) == (0, 1)
+  # Linen: the same params; TrainState.step counted micro-batches before and windows after.
+  assert_trees_close(ns["ga_ts"].params, ns["ms_ts"].params)
+  assert (int(ns["ms_ts"].step), int(ns["ga_ts"].step)) == (ns["k"], 1)
+  assert_trees_close(ns["ga_drop"].params, ns["ms_drop"].params)  # the same dropout masks
+  # NNX: the same params; Optimizer.step counted micro-batches before and windows after.
+  assert_trees_close(nnx.state(ns["ga_model"], nnx.Param), nnx.state(ns["ms_model"], nnx.Param))
+  assert (int(ns["ms_opt"].step[...]), int(ns["ga_opt"].step[...])) == (ns["k"], 1)
+
+
 @pytest.mark.slow
 def test_docs_python_blocks_run():
   """The snippets of the guide pages run in order, continuing the README's Quick start."""
@@ -68,12 +145,32 @@ def test_docs_python_blocks_run():
     DOCS / f"{n}.md" for n in ("usage", "choosing_k", "data_parallel", "verifying")
   ]
   for page in pages:
-    blocks = python_blocks(page)
-    assert blocks, page
-    for block in blocks:
-      exec(compile(textwrap.dedent(block), str(page), "exec"), namespace)
-  assert isinstance(namespace["k"], int) and int(namespace["dp_state"].count) == 1
-  others = [p for p in doc_pages() if p not in pages and python_blocks(p)]
+    run_blocks(page, namespace)
+  ns = namespace
+  assert isinstance(ns["k"], int) and int(ns["dp_state"].count) == 1
+  # usage.md: the ga.micro_step loop closed one window, equal to one fused step from there.
+  closed = ns["stream"].to_accumulate_state(ns["stream_state"])
+  assert int(closed.count) == 1 and bool(ns["stream_metrics"]["updated"])
+  fused, _, fused_metrics = ga.train_step(ns["loss_fn"], ns["tx"])(
+    ns["params"], ns["tx"].init(ns["params"]), ns["batch"]
+  )
+  assert_trees_close(ns["stream_params"], fused)
+  assert float(ns["stream_metrics"]["loss"]) == pytest.approx(float(fused_metrics["loss"]))
+  # data_parallel.md, FSDP: the 10-element bias is replicated, the rest and the optimizer's
+  # state sharded over the 8 devices, and the window equals one device's.
+  assert jax.device_count() == 8
+  specs = jax.tree.map(lambda x: x.sharding.spec, ns["fsdp_params"])
+  assert specs["out"]["b"] == P() or all(s is None for s in specs["out"]["b"])
+  assert specs["hidden"]["w"][0] == "data" and specs["out"]["w"][0] == "data"
+  mu = ns["fsdp_state"].inner_state[0].mu
+  assert mu["hidden"]["w"].sharding.spec[0] == "data"
+  one, _, _ = ga.train_step(ns["mlp_loss"], ns["fsdp_tx"])(
+    ns["mlp_params"], ns["fsdp_tx"].init(ns["mlp_params"]), ns["cls_batch"]
+  )
+  assert_trees_close(ns["fsdp_params"], one)
+  assert not bool(jnp.allclose(one["hidden"]["w"], ns["mlp_params"]["hidden"]["w"]))
+  standalone = [DOCS / name for name in STANDALONE]
+  others = [p for p in doc_pages() if p not in pages + standalone and python_blocks(p)]
   assert not others, f"python blocks not run by this test: {others}"
 
 
@@ -105,3 +202,16 @@ def test_sphinx_builds_without_warnings(tmp_path):
   assert notebooks and all((tmp_path / "notebooks" / f"{n}.html").is_file() for n in notebooks)
   api = (tmp_path / "api" / "transformation.html").read_text()
   assert 'id="gradaccum_jax.accumulate"' in api  # autodoc rendered, not printed as text
+  assert "sphinx-book-theme" in index and "copybutton.js" in index  # the theme, the button
+  # Math renders offline: MathJax is loaded from the site itself, and no page loads a script,
+  # stylesheet or font from the network.
+  assert 'class="math' in api and 'src="../_static/mathjax/tex-chtml.js"' in api
+  assert (tmp_path / "_static" / "mathjax" / "tex-chtml.js").is_file()
+  fonts = tmp_path / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+  assert any(fonts.glob("*.woff")), "MathJax's fonts are not in the site"
+  remote = re.compile(r"<(?:script|link)\b[^>]*\b(?:src|href)=\"(?:https?:)?//[^\"]*\"")
+  for html in tmp_path.rglob("*.html"):
+    found = remote.findall(html.read_text())
+    assert not found, f"{html.relative_to(tmp_path)} loads from the network: {found}"
+  css = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "_static").rglob("*.css"))
+  assert not re.findall(r"url\([\"']?(?:https?:)?//", css), "a stylesheet loads from the network"
