@@ -1,7 +1,4 @@
-"""Flax Linen: a fused accumulation step for a ``TrainState`` with ``batch_stats``.
-
-flax is an optional dependency: it is imported when a step is built, not with the package.
-"""
+"""Flax Linen: a fused accumulation step for a ``TrainState`` (flax imported when it is built)."""
 
 from __future__ import annotations
 
@@ -17,53 +14,38 @@ from gradaccum_jax._options import LossSpec, Options, make_options, split_output
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
-def _import_linen():
-  try:
-    import flax.core
-    import flax.errors
-    import flax.linen as nn
-  except ImportError as e:  # pragma: no cover - flax is installed with the test extra
-    raise ImportError(
-      "ga.linen_train_step needs flax: pip install 'gradaccum_jax[flax]' (or pip install flax)."
-    ) from e
-  return nn, flax.errors, flax.core
-
-
 @dataclasses.dataclass(frozen=True)
 class _LinenModel:
-  """How a Linen module is applied to a micro-batch: its inputs, keyword arguments, PRNG keys,
-  and the errors that say which of them is wrong."""
+  """A Linen module applied to a micro-batch, with errors that name the argument to change."""
 
   module: Any
   inputs: Any  # the batch key of the model input, or microbatch -> tuple of apply's arguments
   train_kwargs: dict[str, Any]
   collections: tuple[str, ...]  # the RNG collections that get keys
-  flax: Any  # (flax.linen, flax.errors, flax.core)
+  name: str  # the module's class and name, for errors
+  flax: Any  # the flax package
 
   @classmethod
   def make(cls, module, inputs, train_kwargs, rng_collections) -> _LinenModel:
+    names = (rng_collections,) if isinstance(rng_collections, str) else tuple(rng_collections)
     if not (isinstance(inputs, str) or callable(inputs)):
       raise TypeError(
-        f"{inputs=} must be the key of the model input in the batch (a str) or a callable"
-        " microbatch -> tuple of positional arguments of module.apply."
+        f"{inputs=} must be a batch key or a callable microbatch -> apply's arguments."
       )
     if train_kwargs is not None and not isinstance(train_kwargs, dict):
       raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
-    names = (rng_collections,) if isinstance(rng_collections, str) else tuple(rng_collections)
     if not all(isinstance(n, str) for n in names):
-      raise TypeError(
-        f"{rng_collections=} must be a sequence of flax RNG collection names (str), e.g."
-        " ('dropout',)."
-      )
-    flax = _import_linen()
-    if not isinstance(module, flax[0].Module):
+      raise TypeError(f"{rng_collections=} must be flax RNG collection names, e.g. ('dropout',).")
+    try:
+      import flax.linen  # flax.core and flax.errors come with it
+    except ImportError as e:  # pragma: no cover - flax is installed with the test extra
+      raise ImportError(
+        "ga.linen_train_step needs flax: pip install 'gradaccum_jax[flax]' (or pip install flax)."
+      ) from e
+    if not isinstance(module, flax.linen.Module):
       raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
-    return cls(module, inputs, dict(train_kwargs or {}), names, flax)
-
-  @property
-  def name(self) -> str:
-    name = getattr(self.module, "name", None)
-    return type(self.module).__name__ + (f" {name!r}" if name else "")
+    name = type(module).__name__ + (f" {module.name!r}" if module.name else "")
+    return cls(module, inputs, dict(train_kwargs or {}), names, name, flax)
 
   def args(self, mb):
     """The positional arguments of ``module.apply`` for micro-batch ``mb``."""
@@ -76,88 +58,70 @@ class _LinenModel:
       keys = list(mb) if isinstance(mb, dict) else type(mb).__name__
       raise ValueError(
         f"inputs={self.inputs!r} is not a key of the micro-batch (keys: {keys}). Pass inputs="
-        " the key of the model input, or a callable microbatch -> tuple of module.apply"
-        " arguments."
+        " the key of the model input, or a callable microbatch -> tuple of apply's arguments."
       ) from None
 
   def apply(self, params, batch_stats, mb, key, with_stats):
     """``(output, new batch_stats)`` (``batch_stats`` unchanged without ``with_stats``)."""
     variables = {"params": params, **({"batch_stats": batch_stats} if with_stats else {})}
-    rngs = None
-    if key is not None and self.collections:
-      rngs = {c: jax.random.fold_in(key, j) for j, c in enumerate(self.collections)}
+    keyed = () if key is None else enumerate(self.collections)
+    rngs = {c: jax.random.fold_in(key, j) for j, c in keyed}
     try:
       out = self.module.apply(
         variables, *self.args(mb), **self.train_kwargs,
         mutable=["batch_stats"] if with_stats else False, rngs=rngs,
       )  # fmt: skip
     except Exception as e:
-      better = self._explain(e, key, with_stats)
-      if better is None:
-        raise
-      raise better from e
+      self._explain(e, key, with_stats)  # raises the error naming the argument to change
+      raise
     if not with_stats:
       return out, batch_stats
     out, mutated = out
     new_stats = mutated.get("batch_stats", {})
-    if isinstance(batch_stats, self.flax[2].FrozenDict):  # keep the state's structure
-      new_stats = self.flax[2].freeze(new_stats)
+    if isinstance(batch_stats, self.flax.core.FrozenDict):  # keep the state's structure
+      new_stats = self.flax.core.freeze(new_stats)
     return out, new_stats
 
-  def _explain(self, e: Exception, key: Any, with_stats: bool) -> Exception | None:
-    """The error naming the argument of ``linen_train_step`` to change, or None to re-raise."""
-    errors = self.flax[1]
+  def _explain(self, e: Exception, key: Any, with_stats: bool) -> None:
+    """Raises the error naming the argument of ``linen_train_step`` to change, if ``e`` has one."""
+    errors, name = self.flax.errors, self.name
     if isinstance(e, errors.ScopeCollectionNotFound) and not with_stats and "batch_stats" in str(e):
-      return ValueError(
-        f"{self.name} has a 'batch_stats' collection, but the train_state has none. Use a"
-        " TrainState subclass with a field `batch_stats: Any` set to"
-        " module.init(...)['batch_stats']."
-      )
+      raise ValueError(
+        f"{name} has a 'batch_stats' collection, but the train_state has none. Use a TrainState"
+        " subclass with a field `batch_stats: Any` set to module.init(...)['batch_stats']."
+      ) from e
     if isinstance(e, TypeError) and "required" in str(e) and "__call__" in str(e):
-      return TypeError(
-        f"{e}\n{self.name}.__call__ needs more arguments than ga passes: the micro-batch's"
-        f" {self.inputs!r} and train_kwargs={self.train_kwargs}. Pass its training keywords to"
-        " ga.linen_train_step(..., train_kwargs={'train': True}), or inputs= a callable"
-        " microbatch -> tuple of positional arguments."
-      )
+      raise TypeError(
+        f"{e}\n{name}.__call__ needs more than microbatch[{self.inputs!r}] and train_kwargs="
+        f"{self.train_kwargs}: pass its training keywords, e.g. train_kwargs={{'train': True}},"
+        " or inputs= a callable microbatch -> tuple of positional arguments."
+      ) from e
     if isinstance(e, errors.InvalidRngError):
-      hint = (
-        "pass a fresh key to the step: step(train_state, batch, rng=key)"
-        if key is None
-        else f"add the collection to rng_collections (now {self.collections})"
-      )
-      return ValueError(f"{e}\n{self.name} needs a PRNG key in training: {hint}.")
-    return None
+      hint = f"add the collection to rng_collections (now {self.collections})"
+      if key is None:
+        hint = "pass a fresh key to the step: step(train_state, batch, rng=key)"
+      raise ValueError(f"{e}\n{name} needs a PRNG key in training: {hint}.") from e
 
-  def loss(self, loss_fn, has_aux, with_stats):
-    """``loss_fn(outputs, microbatch)`` as ``loss(params, batch_stats, microbatch[, key])`` of
-    :func:`train_step` with ``has_state=True``."""
+  def loss(self, spec: LossSpec, with_stats: bool) -> LossSpec:
+    """``spec``'s ``loss_fn(outputs, microbatch)`` as the ``has_state`` loss of ``fused_step``."""
 
     def loss(params, batch_stats, mb, key=None):
       out, new_stats = self.apply(params, batch_stats, mb, key, with_stats)
-      if with_stats and jax.tree.structure(new_stats) != jax.tree.structure(batch_stats):
-        raise ValueError(
-          f"train_state.batch_stats does not match the 'batch_stats' that {self.name} makes:"
-          f"\n  train_state: {jax.tree.structure(batch_stats)}"
-          f"\n  module:      {jax.tree.structure(new_stats)}\nSet it to"
-          " module.init(...)['batch_stats'] for this module."
-        )
       try:
-        value, aux = split_output(loss_fn(out, mb), has_aux)
-      except self.flax[1].ApplyScopeInvalidVariablesTypeError as e:
+        value, aux = split_output(spec.fn(out, mb), spec.has_aux)
+      except self.flax.errors.ApplyScopeInvalidVariablesTypeError as e:
         raise TypeError(
-          "ga.linen_train_step calls loss_fn(outputs, microbatch) with the model's outputs, and"
-          f" this loss_fn applies a module to them ({e}). The step applies {self.name} itself:"
-          " write loss_fn(outputs, microbatch), e.g. lambda logits, mb:"
-          " optax.softmax_cross_entropy_with_integer_labels(logits, mb['y']).mean()."
+          f"ga.linen_train_step calls loss_fn(outputs, microbatch) and applies {self.name}"
+          f" itself, but this loss_fn applies a module ({e}). Write loss_fn(outputs, microbatch),"
+          " e.g. lambda logits, mb: optax.softmax_cross_entropy_with_integer_labels(...).mean()."
         ) from e
-      return (value, (aux, new_stats)) if has_aux else (value, new_stats)
+      return (value, (aux, new_stats)) if spec.has_aux else (value, new_stats)
 
-    return loss
+    return dataclasses.replace(spec, fn=loss)
 
   def momentum(self, params, batch_stats, batch, key) -> float:
     """The one momentum of the module's BatchNorms that update running statistics."""
-    nn, seen = self.flax[0], {}
+    nn, seen = self.flax.linen, {}
 
     def interceptor(next_fun, args, kwargs, context):
       bn = context.module
@@ -169,26 +133,19 @@ class _LinenModel:
 
     with nn.intercept_methods(interceptor):  # shapes only: the whole batch serves
       jax.eval_shape(lambda *a: self.apply(*a, with_stats=True), params, batch_stats, batch, key)
-    momenta = set(seen.values())
-    if not momenta:
-      raise ValueError(
-        f"batchnorm='per_window' but no nn.BatchNorm in {self.name} updates running"
-        f" statistics (with train_kwargs={self.train_kwargs!r}) to read the momentum from."
-        " Pass batchnorm_momentum=m, or check train_kwargs puts the model in training mode."
-      )
-    if len(momenta) > 1:
+    if len(set(seen.values())) != 1:
       listing = ", ".join(f"{path}: {m}" for path, m in seen.items())
+      found = f"BatchNorms of different momenta ({listing})" if seen else "no BatchNorm in training"
       raise ValueError(
-        f"batchnorm='per_window' needs one momentum, but the BatchNorms of {self.name} have"
-        f" different momenta ({listing}). Give them the same momentum, or use"
+        f"batchnorm='per_window' needs one momentum, but {self.name} has {found} (with"
+        f" train_kwargs={self.train_kwargs!r}). Give them one, pass batchnorm_momentum=m, or use"
         " batchnorm='sequential'."
       )
-    return float(momenta.pop())
+    return float(next(iter(seen.values())))
 
 
 def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
-  """The step of :func:`linen_train_step` for one gather policy: ``model`` translated into
-  ``(params, batch_stats, loss)`` for the fused core."""
+  """:func:`linen_train_step` for one gather policy: the model translated for ``fused_step``."""
 
   def step(train_state, batch, rng=None, *, num_real_microbatches=None):
     tx = as_accumulate(getattr(train_state, "tx", None), "train_state.tx")
@@ -196,21 +153,16 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
     stats = train_state.batch_stats if has_field else {}
     with_stats = bool(jax.tree.leaves(stats))
     if opts.batchnorm != "sequential" and not with_stats:
-      where = f"{type(train_state).__name__} has no batch_stats field"
       raise ValueError(
         f"batchnorm={opts.batchnorm!r} needs BatchNorm statistics, but {model.name} has no"
-        f" 'batch_stats' collection ({'its batch_stats are empty' if has_field else where})."
-        " Use batchnorm='sequential' (the default) for a model without BatchNorm."
+        f" 'batch_stats' collection (the {type(train_state).__name__}'s batch_stats are"
+        f" {'empty' if has_field else 'missing'}). Use batchnorm='sequential' (the default)."
       )
-    momentum = opts.batchnorm_momentum
-    if opts.batchnorm == "per_window" and momentum is None:
-      momentum = model.momentum(train_state.params, stats, batch, rng)
-    has_aux = opts.loss.has_aux
-    loss = LossSpec(model.loss(opts.loss.fn, has_aux, with_stats), has_aux, True)
-    fused = fused_step(
-      dataclasses.replace(opts, loss=loss, batchnorm_momentum=momentum), tx, donate and jit
-    )
-    params, new_stats, opt_state, metrics = fused(
+    m = opts.batchnorm_momentum
+    if opts.batchnorm == "per_window" and m is None:
+      m = model.momentum(train_state.params, stats, batch, rng)
+    run = dataclasses.replace(opts, loss=model.loss(opts.loss, with_stats), batchnorm_momentum=m)
+    params, new_stats, opt_state, metrics = fused_step(run, tx, donate and jit)(
       train_state.params, stats, train_state.opt_state, batch, rng, num_real_microbatches
     )
     new = {"step": train_state.step + 1, "params": params, "opt_state": opt_state}
@@ -220,7 +172,7 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
     return step
   jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
   return JitStep(
-    jitted, lambda args: as_accumulate(args[0].tx).fixed_num_microbatches("linen_train_step")
+    jitted, lambda a: as_accumulate(a[0].tx).fixed_num_microbatches("linen_train_step")
   )
 
 
@@ -246,52 +198,41 @@ def linen_train_step(
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
-  ``step(train_state, batch, rng=None)`` is :func:`train_step` with ``has_state=True`` for
-  ``train_state.tx = ga.accumulate(inner, k)``: micro-batch ``i`` gives ``loss_fn(outputs,
-  microbatch)`` with ``outputs, stats = module.apply({"params": params, "batch_stats": stats},
-  microbatch[inputs], **train_kwargs, mutable=["batch_stats"])``, and ``inner`` updates once
-  on the weighted mean gradient. A plain ``TrainState`` serves a module without BatchNorm.
-  Step counters, keys and BatchNorm on a mesh: docs/models.md.
+  ``step(train_state, batch, rng=None)`` is :func:`train_step` (``has_state=True``) for
+  ``train_state.tx = ga.accumulate(inner, k)`` and the loss ``loss_fn(module.apply(...,
+  mutable=["batch_stats"]), microbatch)``, ``batch_stats`` threaded. More: docs/models.md.
 
   Args:
     module: the ``flax.linen.Module`` (``module.apply`` is called, not ``apply_fn``).
     loss_fn: ``loss_fn(outputs, microbatch)``, the mean loss (``(loss, aux)`` with ``has_aux``).
-    batchnorm, batchnorm_momentum: as in :func:`value_and_grad`; ``None`` reads the momentum
+    batchnorm, batchnorm_momentum: as in :func:`value_and_grad`; a ``None`` momentum is read
       from the module's ``nn.BatchNorm`` layers, which must all have the same.
-    inputs: the batch key of the model input, or ``inputs(microbatch)`` returning the tuple of
-      positional arguments of ``module.apply``.
+    inputs: the batch key of the model input, or ``inputs(microbatch)`` -> ``apply``'s arguments.
     train_kwargs: keyword arguments of every ``module.apply``, e.g. ``{"train": True}``.
-    rng_collections: the RNG collections to key: with ``rng=key``, micro-batch ``i`` gives the
-      ``j``-th ``fold_in(fold_in(key, i), j)``. Pass a fresh key every step.
+    rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
     has_aux, weight_fn, donate, jit, compute_dtype, mesh, data_axis, param_specs,
       gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:
     ``step(train_state, batch, rng=None, *, num_real_microbatches=None) -> (train_state,
-    metrics)``: new ``params``, ``opt_state``, ``batch_stats``, ``step + 1``; ``metrics`` and
-    ``num_real_microbatches`` as in :func:`train_step`.
+    metrics)``, ``train_state.step`` advanced by 1; ``metrics`` as in :func:`train_step`.
 
   Raises:
-    ValueError, TypeError: when built, for a bad option; at the first call, for a ``tx`` not
-      from :func:`accumulate`, a ``batchnorm`` mode without ``batch_stats``, BatchNorms of
-      different momenta, or a batch ``k`` does not divide.
+    ValueError, TypeError: for a bad option; at the first call, for a ``tx`` not from
+      :func:`accumulate`, a mode without ``batch_stats``, BatchNorms of different momenta.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, gradaccum_jax as ga
     >>> from flax.training import train_state
-    >>> import gradaccum_jax as ga
     >>> class TrainState(train_state.TrainState):
     ...   batch_stats: dict
     >>> net = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
-    >>> v = net.init(jax.random.key(0), jnp.ones((1, 3)))
-    >>> state = TrainState.create(apply_fn=net.apply, params=v["params"],
-    ...   batch_stats=v["batch_stats"], tx=ga.accumulate(optax.adam(1e-3), 4))
-    >>> step = ga.linen_train_step(net, lambda out, mb: jnp.mean((out - mb["y"]) ** 2),
-    ...   batchnorm="per_window")
-    >>> batch = {"x": jax.random.normal(jax.random.key(1), (32, 3)), "y": jnp.zeros((32, 4))}
-    >>> state, metrics = step(state, batch)
-    >>> int(state.step), int(state.opt_state.count), metrics["loss"].shape
-    (1, 1, ())
+    >>> v = net.init(jax.random.key(0), jnp.ones((1, 3)))  # {"params", "batch_stats"}
+    >>> state = TrainState.create(apply_fn=net.apply, tx=ga.accumulate(optax.adam(1e-3), 4), **v)
+    >>> step = ga.linen_train_step(net, lambda y, mb: jnp.mean(y**2), batchnorm="per_window")
+    >>> state, metrics = step(state, {"x": jax.random.normal(jax.random.key(1), (32, 3))})
+    >>> int(state.step), int(state.opt_state.count)
+    (1, 1)
   """
   opts = make_options(
     "linen_train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=True,
@@ -303,9 +244,7 @@ def linen_train_step(
   if gather_params != "auto":
     return _linen_step(model, opts, donate, jit)
   if not jit:
-    raise ValueError(
-      "linen_train_step: gather_params='auto' compiles the step, so it needs jit=True."
-    )
+    raise ValueError("linen_train_step: gather_params='auto' compiles the step; it needs jit=True.")
   return auto_gather(
     lambda g: _linen_step(model, opts.with_gather(g), donate, True), opts.parallel.budget
   )
