@@ -292,6 +292,18 @@ def test_per_window_needs_one_momentum(batch):
     step(make_state(model), batch)
 
 
+def test_per_window_needs_a_batchnorm_in_training_and_auto_needs_jit(batch):
+  model = CNN()
+  step = ga.linen_train_step(model, xent, batchnorm="per_window", train_kwargs={"train": False})
+  with pytest.raises(ValueError, match=r"needs one momentum, but CNN has no BatchNorm in training"):
+    step(make_state(model), batch)
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  with pytest.raises(ValueError, match=r"linen_train_step: gather_params='auto'.*needs jit=True"):
+    ga.linen_train_step(
+      model, xent, mesh=mesh, gather_params="auto", memory_budget_bytes=1, jit=False
+    )
+
+
 def test_tx_must_come_from_accumulate(batch):
   model = CNN()
   state = make_state(model).replace(tx=optax.adam(LR))

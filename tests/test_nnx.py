@@ -283,6 +283,27 @@ def test_errors_name_the_problem():
     ga.nnx_train_step(xent, batchnorm="per_window")(two, opt2, batch)
 
 
+def test_jit_false_gives_the_step_to_trace_in_your_own_nnx_jit():
+  """jit=False, as in train_step and linen_train_step: the step comes unjitted (no ``lower``),
+  and under the caller's nnx.jit it trains the model as the jitted step does."""
+  batch = make_batch(jax.random.key(3), B)
+  results = []
+  for jit in (True, False):
+    model = MLP(bn=True)
+    optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(1e-2), K), wrt=nnx.Param)
+    step = ga.nnx_train_step(xent, batchnorm="per_window", jit=jit)
+    assert hasattr(step, "lower") == jit
+    metrics = (step if jit else nnx.jit(step))(model, optimizer, batch)
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    results.append((params_of(model), stats, float(metrics["loss"]), int(optimizer.step[...])))
+  assert_trees_close(results[1][:2], results[0][:2], rtol=1e-6, atol=1e-7)
+  assert results[1][2:] == pytest.approx(results[0][2:], rel=1e-6)
+  assert results[1][3] == 1
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  with pytest.raises(ValueError, match=r"nnx_train_step: gather_params='auto'.*needs jit=True"):
+    ga.nnx_train_step(xent, mesh=mesh, gather_params="auto", memory_budget_bytes=1, jit=False)
+
+
 @pytest.mark.slow
 def test_donated_step_voids_a_bad_window_in_place_and_matches_the_undonated_step():
   """donate=True updates params and optimizer state in place (a loop of 0 or 1 trips): a
