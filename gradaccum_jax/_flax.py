@@ -210,16 +210,16 @@ def linen_train_step(
     inputs: the batch key of the model input, or ``inputs(microbatch)`` -> ``apply``'s arguments.
     train_kwargs: keyword arguments of every ``module.apply``, e.g. ``{"train": True}``.
     rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
-    has_aux, weight_fn, donate, jit, compute_dtype, mesh, data_axis, param_specs,
-      gather_params, memory_budget_bytes: as in :func:`train_step`.
+    has_aux, weight_fn, donate, jit, compute_dtype: as in :func:`train_step`.
+    mesh, data_axis, param_specs, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:
     ``step(train_state, batch, rng=None, *, num_real_microbatches=None) -> (train_state,
     metrics)``, ``train_state.step`` advanced by 1; ``metrics`` as in :func:`train_step`.
 
   Raises:
-    ValueError, TypeError: for a bad option; at the first call, for a ``tx`` not from
-      :func:`accumulate`, a mode without ``batch_stats``, BatchNorms of different momenta.
+    ValueError, TypeError: for a bad option; at the first call, for a ``train_state.tx`` not
+      from :func:`accumulate`, a mode without ``batch_stats`` or BatchNorms of different momenta.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, gradaccum_jax as ga

@@ -108,12 +108,12 @@ def nnx_train_step(
     param_specs: as in :func:`train_step`, shaped like
       ``nnx.to_pure_dict(nnx.state(model, wrt))`` (or a prefix of it).
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
-    has_aux, weight_fn, compute_dtype, mesh, data_axis, donate, gather_params,
-      memory_budget_bytes: as in :func:`train_step`.
+    has_aux, weight_fn, compute_dtype, donate: as in :func:`train_step`.
+    mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:
-    ``step(model, optimizer, batch, *, num_real_microbatches=None) -> metrics``, as in
-    :func:`train_step`; ``optimizer.step`` advances by 1.
+    ``step(model, optimizer, batch, *, num_real_microbatches=None) -> metrics``, both as
+    in :func:`train_step`; ``optimizer.step`` advances by 1.
 
   Raises:
     ValueError, TypeError: for a bad option; at the first call, for an ``optimizer.tx`` not
