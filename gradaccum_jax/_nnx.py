@@ -39,11 +39,13 @@ def _batchnorm_momentum(model: Any, nnx: Any) -> float:
 
 def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   """:func:`nnx_train_step` for one gather policy: the model translated for ``fused_step``."""
-  has_aux = opts.loss.has_aux
 
   def step(model, optimizer, batch, *, num_real_microbatches=None):
     if not isinstance(optimizer, nnx.Optimizer):
-      raise TypeError(f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}.")
+      raise TypeError(
+        f"optimizer must be an nnx.Optimizer(model, ga.accumulate(inner, k), wrt=nnx.Param),"
+        f" got {type(optimizer).__name__}."
+      )
     tx = as_accumulate(optimizer.tx, "optimizer.tx")
     wrt, graph = optimizer.wrt, optimizer.graph
     momentum = _batchnorm_momentum(model, nnx) if opts.batchnorm == "per_window" else None
@@ -57,9 +59,10 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
 
     def loss(params, rest, mb):
       merged = nnx.merge(graphdef, params, rest)
-      value, aux = split_output(opts.loss.fn(merged, mb), has_aux, "loss_fn(model, microbatch)")
+      value = opts.loss.fn(merged, mb)
+      value, aux = split_output(value, opts.loss.has_aux, "loss_fn(model, microbatch)")
       new_rest = nnx.as_pure(nnx.split(merged, wrt, ..., graph=graph)[2])
-      return (value, (aux, new_rest)) if has_aux else (value, new_rest)
+      return (value, (aux, new_rest)) if opts.loss.has_aux else (value, new_rest)
 
     spec = dataclasses.replace(opts.loss, fn=loss)
     run = dataclasses.replace(opts, loss=spec, batchnorm_momentum=momentum)
@@ -101,12 +104,9 @@ def nnx_train_step(
   state; ``model`` and ``optimizer`` are updated in place. More: docs/models.md.
 
   Args:
-    loss_fn: ``loss_fn(model, microbatch)``, the mean loss (``(loss, aux)`` with ``has_aux``),
-      the model in the mode you set (``model.train()``); its randomness is its ``nnx.Rngs``.
-    batchnorm: as in :func:`value_and_grad`; ``"per_window"`` takes the momentum of the
-      model's ``nnx.BatchNorm`` layers, which must all have the same.
-    param_specs: as in :func:`train_step`, shaped like
-      ``nnx.to_pure_dict(nnx.state(model, wrt))`` (or a prefix of it).
+    loss_fn: ``loss_fn(model, microbatch)``, the mean loss (``(loss, aux)`` with ``has_aux``).
+    batchnorm: as in :func:`value_and_grad`; ``"per_window"`` reads the ``nnx.BatchNorm`` momentum.
+    param_specs: as in :func:`train_step`, shaped like ``nnx.to_pure_dict(nnx.state(model, wrt))``.
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
     has_aux, weight_fn, compute_dtype, donate: as in :func:`train_step`.
     mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
