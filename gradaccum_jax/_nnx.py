@@ -15,11 +15,8 @@ from gradaccum_jax._train_step import JitStep, fused_step
 
 def _batchnorm_momentum(model: Any, nnx: Any) -> float:
   """The one momentum of every ``nnx.BatchNorm`` in ``model``, for ``batchnorm='per_window'``."""
-  found = {
-    "/".join(map(str, path)) or "<model>": float(node.momentum)
-    for path, node in nnx.iter_graph(model)
-    if isinstance(node, nnx.BatchNorm)
-  }
+  layers = [(p, node) for p, node in nnx.iter_graph(model) if isinstance(node, nnx.BatchNorm)]
+  found = {"/".join(map(str, p)) or "<model>": float(node.momentum) for p, node in layers}
   if not found:
     raise ValueError(
       f"batchnorm='per_window' needs nnx.BatchNorm layers, but the {type(model).__name__} has"
@@ -77,7 +74,10 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   if not jit:
     return step
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
-  k = lambda a: as_accumulate(a[1].tx).fixed_num_microbatches("nnx_train_step")  # noqa: E731
+
+  def k(args):  # for JitStep's check of num_real_microbatches
+    return as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step")
+
   return JitStep(jitted, k, calls_compiled=False)  # nnx.jit's lower takes other arguments
 
 
@@ -99,9 +99,8 @@ def nnx_train_step(
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
   ``step(model, optimizer, batch) -> metrics`` is :func:`train_step` (``has_state=True``) for
-  ``optimizer = nnx.Optimizer(model, ga.accumulate(inner, k), wrt=...)``, with the variables
-  ``wrt`` selects as params and the rest (BatchNorm statistics, ``nnx.Rngs`` counters) as model
-  state; ``model`` and ``optimizer`` are updated in place. More: docs/models.md.
+  ``optimizer = nnx.Optimizer(model, ga.accumulate(inner, k), wrt=...)``: the params are what
+  ``wrt`` selects, the rest is model state, both updated in place. More: docs/models.md.
 
   Args:
     loss_fn: ``loss_fn(model, microbatch)``, the mean loss (``(loss, aux)`` with ``has_aux``).
