@@ -81,9 +81,9 @@ def mean_over(trees):
 
 
 def hlo_collectives(compiled):
-  found = collectives(compiled.as_text())
+  found = collectives(compiled)
   in_loop = [c for c in found if c[2]]
-  outside = sorted(op for op, _, inside in found if not inside)
+  outside = sorted(op for op, _, inside, _ in found if not inside)
   return in_loop, outside
 
 
