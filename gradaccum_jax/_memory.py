@@ -82,6 +82,10 @@ class AutoGatherStep:
     """``"once"`` if its compiled memory fits the budget, else ``"per_microbatch"``."""
     return self._choose(args, kwargs)[0][0]
 
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    """The chosen policy's ``lower`` (for ``ga.inspect_step`` and compiled memory)."""
+    return self._steps[self.chosen_gather_params(*args, **kwargs)].lower(*args, **kwargs)
+
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     (chosen, _, program), lowered_kwargs = self._choose(args, kwargs)
     step = self._steps[chosen]

@@ -192,6 +192,9 @@ def test_auto_compiles_each_policy_once_and_runs_the_program_it_compiled():
   assert_trees_close(p1, plain(*args)[0])
   with pytest.raises(ValueError, match="num_real_microbatches"):
     auto(*args, num_real_microbatches=k + 1)
+  # ga.inspect_step reads the chosen program: per micro-batch, its gathers are in the loop.
+  report = ga.inspect_step(auto, *args)
+  assert report.in_loop.get("all-gather", 0) > 0 and report.in_loop.get("reduce-scatter", 0) > 0
 
 
 @pytest.mark.slow
