@@ -138,10 +138,12 @@ class MicroStep:
     into the first slot (exact). Without loss sums (an :class:`AccumulateState`), the
     window's ``value=`` and ``"loss"`` count only the micro-batches after it."""
     state = self._check(state)
-    if jax.tree.structure(_partials(slot_totals(state))[0].grads) != jax.tree.structure(
-      _partials(slot_totals(like))[0].grads
-    ):
-      raise ValueError("convert_state: the saved state's accumulator does not match this step's.")
+    saved, mine = (jax.tree.structure(slot_totals(t).acc_grads) for t in (state, like))
+    if saved != mine:
+      raise ValueError(
+        "convert_state: the saved state's accumulator does not match this step's:\n"
+        f"  saved: {saved}\n  this step: {mine}"
+      )
     if (state.accumulate.noise_scale is None) != (like.accumulate.noise_scale is None):
       raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
     if state.aux_sum is None and like.aux_sum is not None:  # zeros, shaped as one slot

@@ -311,6 +311,9 @@ def test_bad_states_and_arguments():
   step = ga.micro_step(xent_loss, tx)
   with pytest.raises(TypeError, match=r"state must be tx.init\(params\).* got tuple"):
     step(params, tx.init(params).inner_state, data(4))
+  other = {"w": jnp.zeros(3)}
+  with pytest.raises(ValueError, match=r"does not match this step's:\n  saved: .*'w'"):
+    step.convert_state(tx.init(other), step.init(params))
   with pytest.raises(TypeError, match=r"made by ga.accumulate"):
     ga.micro_step(xent_loss, optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"pass a micro-batch to init"):
