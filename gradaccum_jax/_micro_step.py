@@ -101,7 +101,7 @@ class MicroStep:
     self.mesh = None if dp is None else dp.mesh
     self.data_axis = None if dp is None else dp.axes
     self.has_state = opts.has_state
-    self._mg = MicrobatchedGrad(opts, 1, noise_scale=self._acc.noise_scale_ema is not None)
+    self._mg = MicrobatchedGrad(opts, 1, noise_sums=self._acc.noise_scale_ema is not None)
     donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn

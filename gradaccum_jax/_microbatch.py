@@ -117,7 +117,7 @@ class MicrobatchedGrad:
 
   options: Options
   num_microbatches: int
-  noise_scale: bool = False  # also sum w_i |g_i|^2 (Window.noise)
+  noise_sums: bool = False  # also sum w_i |g_i|^2 for the noise scale (Window.noise)
 
   def _objective(self, params, model_state, mb, key, scale):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
@@ -186,7 +186,7 @@ class MicrobatchedGrad:
     sums_unit = SumsUnit(opts.weighting)
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
-    noise_unit = NoiseUnit(opts.weighting) if self.noise_scale else Off()
+    noise_unit = NoiseUnit(opts.weighting) if self.noise_sums else Off()
     model_unit = (
       ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
       if opts.has_state

@@ -170,7 +170,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
   """
   acc = tx.settings
   k = tx.fixed_num_microbatches("train_step")
-  mg = MicrobatchedGrad(opts, k, noise_scale=acc.noise_scale_ema is not None)
+  mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
   dp = opts.parallel
 
   def fused(params, model_state, state, batch, rng, num_real):
