@@ -243,8 +243,5 @@ def linen_train_step(
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   if gather_params != "auto":
     return _linen_step(model, opts, donate, jit)
-  if not jit:
-    raise ValueError("linen_train_step: gather_params='auto' compiles the step; it needs jit=True.")
-  return auto_gather(
-    lambda g: _linen_step(model, opts.with_gather(g), donate, True), opts.parallel.budget
-  )
+  build = lambda g: _linen_step(model, opts.with_gather(g), donate, True)  # noqa: E731
+  return auto_gather(build, opts.parallel.budget, jit, "linen_train_step")

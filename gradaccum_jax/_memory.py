@@ -95,7 +95,10 @@ class AutoGatherStep:
     return program(*args, **lowered_kwargs)
 
 
-def auto_gather(build: Callable[[str], Any], budget: int) -> AutoGatherStep:
-  """``gather_params="auto"`` for any front end: ``build(gather)`` makes its step for one
-  policy; the :class:`AutoGatherStep` runs the one whose compiled memory fits ``budget``."""
+def auto_gather(build: Callable[[str], Any], budget: int, jit: bool, where: str) -> AutoGatherStep:
+  """``gather_params="auto"`` for any front end: ``build(gather)`` makes its jitted step for
+  one policy; the :class:`AutoGatherStep` runs the one whose compiled memory fits ``budget``.
+  ``jit=False`` (a front end's option) is refused, naming ``where``: "auto" compiles."""
+  if not jit:
+    raise ValueError(f"{where}: gather_params='auto' compiles the step, so it needs jit=True.")
   return AutoGatherStep({g: build(g) for g in ("once", "per_microbatch")}, budget)

@@ -143,8 +143,5 @@ def nnx_train_step(
   )  # fmt: skip
   if gather_params != "auto":
     return _nnx_step(nnx, opts, donate, jit)
-  if not jit:
-    raise ValueError("nnx_train_step: gather_params='auto' compiles the step; it needs jit=True.")
-  return auto_gather(
-    lambda g: _nnx_step(nnx, opts.with_gather(g), donate, True), opts.parallel.budget
-  )
+  build = lambda g: _nnx_step(nnx, opts.with_gather(g), donate, True)  # noqa: E731
+  return auto_gather(build, opts.parallel.budget, jit, "nnx_train_step")

@@ -102,14 +102,12 @@ def train_step(
     memory_budget_bytes=memory_budget_bytes,
   )
   if gather_params == "auto":
-    if not jit:
-      raise ValueError("train_step: gather_params='auto' compiles the step, so it needs jit=True.")
 
     def build(g):
       fused = fused_step(opts.with_gather(g), acc, in_place=donate)
       return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=True, k=lambda a: k)
 
-    return auto_gather(build, opts.parallel.budget)
+    return auto_gather(build, opts.parallel.budget, jit, "train_step")
   fused = fused_step(opts, acc, in_place=donate and jit)
   return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=jit, k=lambda args: k)
 
