@@ -219,16 +219,6 @@ def run_k(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
   return {"k": k, "b": cfg["b"], "B": n * k * cfg["b"], "methods": result}
 
 
-def compiled_bytes(mem: Any) -> int:
-  """Per-device bytes of a compiled program: temp + arguments + outputs - aliased."""
-  return int(
-    mem.temp_size_in_bytes
-    + mem.argument_size_in_bytes
-    + mem.output_size_in_bytes
-    - mem.alias_size_in_bytes
-  )
-
-
 def stream_summary(found: list[dict[str, Any]], k: int) -> dict[str, Any]:
   """Collectives of one streaming call: outside the branch (or loop) that closes the window on
   every call, inside it on one call per window."""
@@ -306,11 +296,11 @@ def run_gather(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
+    report = ga.StepReport.from_compiled(compiled)
     result[gather] = {
       "compile_s": compile_s,
-      "temp_bytes": int(mem.temp_size_in_bytes),
-      "total_bytes": compiled_bytes(mem),
+      "temp_bytes": report.temp_bytes,
+      "total_bytes": report.peak_bytes,
       "collectives": collective_summary(hlo_collectives(compiled), k),
     }
     p, s_, _ = jax.block_until_ready(step(params, opt_state, batch))
@@ -343,10 +333,10 @@ def run_donated(cfg: dict[str, Any], mesh: Any, k: int) -> dict[str, Any]:
         loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs,
         gather_params="once" if layout == "replicated" else layout, donate=donate,
       )  # fmt: skip
-      mem = step.lower(params, state, model.batch).compile().memory_analysis()
+      report = ga.inspect_step(step, params, state, model.batch)
       result[layout]["donated" if donate else "undonated"] = {
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "total_bytes": compiled_bytes(mem),
+        "temp_bytes": report.temp_bytes,
+        "total_bytes": report.peak_bytes,
       }
   return model.run(layouts=result)
 
