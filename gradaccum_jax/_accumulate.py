@@ -289,7 +289,7 @@ class _Accumulator:
     state kept. The voided window is kept out by selects (the default), by a loop of 0 or 1
     trips (``in_place``, with ``apply``, for a donated step), or by a ``lax.cond`` (``branch``:
     streaming calls; the caller clears ``acc_grads`` after its own ``lax.cond``, see
-    :func:`clear_after`). Why each: docs/architecture.md, "Closing a window".
+    ``_close_if``). Why each: docs/architecture.md, "Closing a window".
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -345,8 +345,7 @@ class _Accumulator:
     del apply
 
     def keep(carry):
-      shapes = jax.eval_shape(lambda c: inner(*c), carry)[0]
-      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), carry[1]
+      return zeros_like_output(inner, *carry)[0], carry[1]
 
     updates, inner_state = jax.lax.cond(ok, lambda c: inner(*c), keep, (params, inner_state))
     return updates, inner_state, acc_grads
@@ -361,15 +360,6 @@ class _Accumulator:
       updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
     return updates, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
-
-  def _closer(self, params, grad_like, extra_args):
-    """``close(state) -> (updates, state)`` on the state's open window (a ``lax.cond`` branch)."""
-
-    def close(state):
-      acc, weight = state.acc_grads, state.acc_weight
-      return self.close(acc, weight, state, params, grad_like, extra_args, branch=True)[:2]
-
-    return close
 
   def _inner_update(self, mean, inner_state, params, extra_args):
     """``inner.update`` on the window's mean gradient, with errors that say what ga passes."""
@@ -415,61 +405,54 @@ class _Accumulator:
     wt = _UNWEIGHTED if weight is None else _WEIGHTED
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
     acc = add_gradients(state.acc_grads, grads, w, state.acc_weight, wt)
-    acc_weight = state.acc_weight + wt.total(w)
     if state.noise_scale is not None:
       state = state._replace(
         noise_scale=add_noise(state.noise_scale, sq_norm(grads), None if weight is None else w, 1.0)
       )
-    micro_step = optax.safe_increment(state.micro_step)
-    grad_like = grads if params is None else params
-
     held = state._replace(
-      micro_step=micro_step, updated=jnp.zeros((), bool), acc_grads=acc, acc_weight=acc_weight
+      micro_step=optax.safe_increment(state.micro_step),
+      updated=jnp.zeros((), bool),
+      acc_grads=acc,
+      acc_weight=state.acc_weight + wt.total(w),
     )
-
-    close = self._closer(params, grad_like, extra_args)
-
     k = self.num_microbatches
-    if isinstance(k, int) and k == 1:
-      return clear_after(jnp.ones((), bool), *close(held))
-    closes = micro_step >= self.window_size(state.count)
-    return clear_after(*jax.lax.cond(closes, _flagged(close), _holder(close), held))
+    closes = (
+      True if isinstance(k, int) and k == 1 else held.micro_step >= self.window_size(state.count)
+    )
+    return self._close_if(closes, held, params, grads if params is None else params, extra_args)
 
   def flush(
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
   ) -> tuple[Updates, AccumulateState]:
     """Closes the open window now; an empty one (no micro-step) changes nothing."""
     state = self.check_state(state)
-    grad_like = state.acc_grads if params is None else params
-
-    close = self._closer(params, grad_like, extra_args)
-
     held = state._replace(updated=jnp.zeros((), bool))
-    closes = state.micro_step > 0
-    return clear_after(*jax.lax.cond(closes, _flagged(close), _holder(close), held))
+    grad_like = state.acc_grads if params is None else params
+    return self._close_if(state.micro_step > 0, held, params, grad_like, extra_args)
+
+  def _close_if(self, closes, state, params, grad_like, extra_args):
+    """``(updates, state)``: the window closed if ``closes``, in a ``lax.cond`` whose branches
+    only read the accumulator (reverse-differentiable); the zeros are written over it after."""
+
+    def close(state):
+      acc, weight = state.acc_grads, state.acc_weight
+      out = self.close(acc, weight, state, params, grad_like, extra_args, branch=True)
+      return jnp.ones((), bool), *out[:2]
+
+    def hold(state):
+      return jnp.zeros((), bool), zeros_like_output(close, state)[1], state
+
+    if closes is True:
+      closed, updates, state = close(state)
+    else:
+      closed, updates, state = jax.lax.cond(closes, close, hold, state)
+    acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
+    return updates, state._replace(acc_grads=acc)
 
 
-def clear_after(closed: Any, updates: Updates, state: AccumulateState) -> tuple[Any, Any]:
-  """``(updates, state)`` with the accumulator zeroed where a window ``closed`` (a flag out of
-  the ``lax.cond`` that read it, so the zeros are written over the sums after it)."""
-  acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
-  return updates, state._replace(acc_grads=acc)
-
-
-def _holder(close: Any) -> Any:
-  """The other branch of ``lax.cond(closes, close, ...)``: zero updates shaped as ``close``'s,
-  the state passed through (in place when donated)."""
-
-  def hold(state: AccumulateState) -> tuple[Any, Updates, AccumulateState]:
-    shape = jax.eval_shape(close, state)[0]
-    return jnp.zeros((), bool), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), state
-
-  return hold
-
-
-def _flagged(fn: Any) -> Any:
-  """``fn`` returning ``(True, *fn(...))``: a branch of a ``lax.cond`` that says it ran."""
-  return lambda *args: (jnp.ones((), bool), *fn(*args))
+def zeros_like_output(fn: Any, *args: Any) -> Any:
+  """Zeros shaped as ``fn(*args)``'s output (traced, not run)."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
 
 
 def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:

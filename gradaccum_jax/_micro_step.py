@@ -234,7 +234,7 @@ class MicroStep:
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
-    # only read the partial sums; they are cleared after it, in place (see clear_after).
+    # only read the partial sums; they are cleared after it, in place (as in _close_if).
     # The branches return updates, applied after the lax.cond, as tx.update's are: a branch
     # that passed the params through would make XLA copy the inner state.
     def close(new_model_state, state):
