@@ -187,24 +187,13 @@ def _on_the_params_mesh(state: Any, params: Params) -> Any:
   """``state`` with every concrete array that is not on the params' mesh (the counters, the
   inner optimizer's own ``count``) placed there, replicated: a checkpoint restored onto
   ``tx.init(params)``'s shardings then finds every leaf on one set of devices."""
-  meshes = [
-    x.sharding.mesh
-    for x in jax.tree.leaves(params)
-    if isinstance(x, jax.Array)
-    and not isinstance(x, jax.core.Tracer)
-    and isinstance(x.sharding, jax.sharding.NamedSharding)
-  ]
+  concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # noqa: E731
+  named = lambda x: concrete(x) and isinstance(x.sharding, jax.sharding.NamedSharding)  # noqa: E731
+  meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if named(x)]
   if not meshes:
     return state
   replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
-
-  def place(x):
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-      return x
-    if isinstance(x.sharding, jax.sharding.NamedSharding):
-      return x
-    return jax.device_put(x, replicated)
-
+  place = lambda x: jax.device_put(x, replicated) if concrete(x) and not named(x) else x  # noqa: E731
   return jax.tree.map(place, state)
 
 
@@ -306,9 +295,10 @@ class _Accumulator:
       ok = ok & jnp.isfinite(sq)
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
-    mode = self._in_loop if apply and in_place else self._in_branch if branch else self._in_selects
+    del apply  # the fused step's modes apply the update, a branch returns it
+    mode = self._in_branch if branch else self._in_loop if in_place else self._in_selects
     inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
-    updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state, apply)
+    updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state)
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -325,10 +315,9 @@ class _Accumulator:
     return updates, new_state, jnp.sqrt(sq)
 
   @staticmethod
-  def _in_loop(ok, inner, acc_grads, params, inner_state, apply):
+  def _in_loop(ok, inner, acc_grads, params, inner_state):
     """The new params and inner state written over the donated old ones, in a loop of 0 or 1
     trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
-    del apply
 
     def run(carry):
       p, state = carry
@@ -340,9 +329,8 @@ class _Accumulator:
     return *out, cleared
 
   @staticmethod
-  def _in_branch(ok, inner, acc_grads, params, inner_state, apply):
+  def _in_branch(ok, inner, acc_grads, params, inner_state):
     """Updates or zeros in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
-    del apply
 
     def keep(carry):
       return zeros_like_output(inner, *carry)[0], carry[1]
@@ -351,13 +339,11 @@ class _Accumulator:
     return updates, inner_state, acc_grads
 
   @staticmethod
-  def _in_selects(ok, inner, acc_grads, params, inner_state, apply):
-    """The inner update run, then selected (best undonated: the results are new buffers)."""
+  def _in_selects(ok, inner, acc_grads, params, inner_state):
+    """The new params (the old ones for a voided window) and inner state by selects (best
+    undonated: the results are new buffers)."""
     updates, new_inner = inner(params, inner_state)
-    if apply:  # the new params, or the old ones for a voided window
-      updates = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates)
-    else:
-      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+    updates = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
     return updates, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
 
