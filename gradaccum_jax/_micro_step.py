@@ -18,6 +18,7 @@ from gradaccum_jax._accumulate import (
   MicroStepState,
   as_accumulate,
   slot_totals,
+  zeros_like_output,
 )
 from gradaccum_jax._checks import check_batch, is_inexact
 from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
@@ -238,16 +239,15 @@ class MicroStep:
     # The branches return updates, applied after the lax.cond, as tx.update's are: a branch
     # that passed the params through would make XLA copy the inner state.
     def close(new_model_state, state):
-      state = self._hold(params, new_model_state, state)[2]
       return (jnp.ones((), bool), *self._close(params, new_model_state, state))
 
-    def hold(new_model_state, state):
-      # NaN metrics in the dtypes the closing branch reports (in double precision too).
-      metrics = jax.eval_shape(close, new_model_state, state)[4]
-      metrics = jax.tree.map(
-        lambda m: jnp.full(m.shape, jnp.nan if is_inexact(m) else 0, m.dtype), metrics
-      )
-      return (jnp.zeros((), bool), *self._hold(params, new_model_state, state)[:3], metrics)
+    def hold(new_model_state, state):  # zero updates, the sums kept, NaN metrics
+      closed, _, _, _, metrics = zeros_like_output(close, new_model_state, state)
+      updates = jax.tree.map(jnp.zeros_like, params)  # typed as the params on a mesh
+      acc = state.accumulate
+      acc = acc._replace(micro_step=optax.safe_increment(acc.micro_step), updated=closed)
+      nan = jax.tree.map(lambda m: m if not is_inexact(m) else jnp.full_like(m, jnp.nan), metrics)
+      return closed, updates, new_model_state, state._replace(accumulate=acc), nan
 
     closed, updates, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, new_model_state, state
@@ -372,15 +372,6 @@ class MicroStep:
     if opts.has_state:  # a voided window restores float state as the window found it
       new_model_state = keep_if_voided(new_acc.updated, new_model_state, state.window_start)
     return updates, new_model_state, new_state, metrics
-
-  def _hold(self, params, new_model_state, state):
-    """A call inside the window: zero updates, the sums stay on their devices; metrics NaN."""
-    acc_state = state.accumulate
-    new_acc = acc_state._replace(
-      micro_step=optax.safe_increment(acc_state.micro_step), updated=jnp.zeros((), bool)
-    )
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return zeros, new_model_state, state._replace(accumulate=new_acc), None
 
 
 def micro_step(
