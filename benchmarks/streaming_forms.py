@@ -9,8 +9,11 @@ The state is ``(accumulator, micro-step count)``; A is one float32 copy of the p
   plain      jax.grad then params - lr * g (the accumulator passed through, for the same
              arguments)
   ga         jax.grad + ga.accumulate(optax.sgd).update, then optax.apply_updates
-  branch     the sums added before a lax.cond that returns the updates (zeros when held);
-             the accumulator zeroed by a select after it (ga's form)
+  branch     the sums added before a lax.cond that returns the updates (zeros when held) and
+             a flag that it closed; the accumulator zeroed by a select on that flag after it
+             (ga's form)
+  early      the same, the select on the predicate known before the lax.cond (XLA then
+             hoists the zeros above the branch and copies the sums)
   cond_acc   the same, the lax.cond also returning the accumulator (zeros or the sums)
   in_branch  the sums added inside both branches of the lax.cond (optax.MultiSteps' form
              before it computed the update on every call)
@@ -60,6 +63,15 @@ def forms(loss_fn):
   def branch(p, s, mb):
     acc, n, g = start(p, s, mb)
     sums = _tree(jnp.add, acc, g)
+    closed, updates = jax.lax.cond(
+      n >= K, lambda x, n: (True, update(x, n)), lambda x, n: (False, zeros(x)), sums, n
+    )
+    acc = _tree(lambda x: jnp.where(closed, 0.0, x), sums)
+    return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
+
+  def early(p, s, mb):
+    acc, n, g = start(p, s, mb)
+    sums = _tree(jnp.add, acc, g)
     updates = jax.lax.cond(n >= K, update, lambda x, n: zeros(x), sums, n)
     acc = _tree(lambda x: jnp.where(n >= K, 0.0, x), sums)
     return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
@@ -100,6 +112,7 @@ def forms(loss_fn):
   return {
     "plain": plain,
     "branch": branch,
+    "early": early,
     "cond_acc": cond_acc,
     "in_branch": in_branch,
     "selects": selects,

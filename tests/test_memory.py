@@ -82,7 +82,7 @@ def test_no_other_form_of_a_streaming_close_holds_less():
 
   rows = streaming_forms.measure("mlp")
   ga = rows["ga"]
-  for form in ("branch", "cond_acc", "in_branch", "selects"):
+  for form in ("branch", "early", "cond_acc", "in_branch", "selects"):
     assert ga["peak"] <= rows[form]["peak"] + 1e-3, (form, rows)
-  for form in ("branch", "cond_acc", "in_branch"):
+  for form in ("branch", "early", "cond_acc", "in_branch"):
     assert ga["peak_undonated"] <= rows[form]["peak_undonated"] + 1e-3, (form, rows)
