@@ -198,9 +198,8 @@ def _traces_differ(loss_fn: Callable[..., Any], params: Any, mb: Any) -> bool:
   """Whether two traces of ``loss_fn`` differ: randomness drawn in Python (``numpy.random``)."""
   # A new wrapper per trace: jax caches the trace of a function it has seen.
   a, b = (jax.make_jaxpr(lambda p, m: loss_fn(p, m))(params, mb) for _ in range(2))
-  if str(a.jaxpr) != str(b.jaxpr) or len(a.consts) != len(b.consts):
-    return True
-  return any(not np.array_equal(x, y) for x, y in zip(a.consts, b.consts, strict=True))
+  same = str(a.jaxpr) == str(b.jaxpr) and len(a.consts) == len(b.consts)
+  return not (same and all(np.array_equal(x, y) for x, y in zip(a.consts, b.consts, strict=True)))
 
 
 def _fit_weights(losses, grads, loss_whole, g_whole, scale, tol) -> Any:
