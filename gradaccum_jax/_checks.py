@@ -30,8 +30,7 @@ def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> Nu
     )
   if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
     raise TypeError(
-      f"{num_microbatches=} must be a positive int (the number of"
-      " micro-batches per optimizer step)."
+      f"{num_microbatches=} must be a positive int (micro-batches per optimizer step)."
     )
   k = operator.index(num_microbatches)
   if k <= 0:
@@ -40,11 +39,7 @@ def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> Nu
 
 
 def check_scheduled_k(value: Any) -> jax.Array:
-  """The value of a ``num_microbatches`` schedule as an int32 scalar, or a clear error.
-
-  Checked when it is concrete (a schedule of a concrete count, outside ``jit``) and by dtype
-  when traced: a float (``2.7``, ``nan``) is refused at trace time.
-  """
+  """The value of a ``num_microbatches`` schedule as an int32 scalar (a float is refused)."""
   try:
     arr = jnp.asarray(value)
   except TypeError:
@@ -69,36 +64,33 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
     raise ValueError(
       "batch has no array leaves; pass a pytree of arrays with a leading batch axis."
     )
-  sizes = {}
-  for path, x in leaves:
-    shape = jnp.shape(x)
-    name = jax.tree_util.keystr(path) or "batch"
+  sizes = {jax.tree_util.keystr(path) or "batch": jnp.shape(x) for path, x in leaves}
+  for name, shape in sizes.items():
     if not shape:
       raise ValueError(
-        f"batch leaf {name} is a scalar; every batch leaf needs a leading batch"
-        " dimension (pass constants through a closure or the params instead)."
+        f"batch leaf {name} is a scalar; every batch leaf needs a leading batch dimension (pass"
+        " constants through a closure or the params instead)."
       )
-    sizes[name] = shape[0]
+  sizes = {name: shape[0] for name, shape in sizes.items()}
   if len(set(sizes.values())) > 1:
     listing = ", ".join(f"{name}: {size}" for name, size in sizes.items())
     raise ValueError(
-      f"batch leaves have different leading (batch) dimensions: {listing}. Every"
-      " leaf must have the same batch size B on axis 0."
+      f"batch leaves have different leading (batch) dimensions: {listing}. Every leaf must have"
+      " the same batch size B on axis 0."
     )
-  batch_size = next(iter(sizes.values()))
+  batch_size, k = next(iter(sizes.values())), num_microbatches
   if batch_size == 0:
     raise ValueError(
-      "The batch is empty (batch size B=0): a window needs at least one row per"
-      " micro-batch. Skip empty batches in the data pipeline."
+      "The batch is empty (batch size B=0): a window needs at least one row per micro-batch."
+      " Skip empty batches in the data pipeline."
     )
-  k = num_microbatches
   if batch_size % k:
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     shown = divisors if len(divisors) <= 12 else divisors[:6] + ["..."] + divisors[-3:]
     raise ValueError(
-      f"batch size B={batch_size} is not divisible by num_microbatches k={k}."
-      f" Use a batch size that is a multiple of {k}, or a k that divides"
-      f" {batch_size} (divisors: {', '.join(map(str, shown))})."
+      f"batch size B={batch_size} is not divisible by num_microbatches k={k}. Use a batch size"
+      f" that is a multiple of {k}, or a k that divides {batch_size} (divisors:"
+      f" {', '.join(map(str, shown))})."
     )
   return batch_size
 
@@ -110,12 +102,10 @@ def check_weight(weight: Any, what: str = "weight") -> jax.Array:
       f"{what} must be a scalar number (the examples or tokens in the micro-batch), got"
       f" {type(weight).__name__}: {weight!r:.80}."
     )
-  shape = jnp.shape(weight)
-  if shape != ():
+  if jnp.shape(weight) != ():
     raise ValueError(
-      f"{what} must be a scalar (the number of examples or tokens in the"
-      f" micro-batch), got an array of shape {shape}. Reduce it, e.g. to"
-      " mask.sum()."
+      f"{what} must be a scalar (the number of examples or tokens in the micro-batch), got an"
+      f" array of shape {jnp.shape(weight)}. Reduce it, e.g. to mask.sum()."
     )
   if isinstance(weight, int | float) and weight < 0:  # concrete: refuse now (NaN voids)
     raise ValueError(f"{what} is {weight!r}; weights must be >= 0 (examples or tokens).")
@@ -127,26 +117,25 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
   gdef, rdef = jax.tree.structure(grads), jax.tree.structure(reference)
   if gdef != rdef:
     raise ValueError(
-      f"The {what} do not match the structure of the parameters that"
-      f" tx.init was called with.\n  {what}: {gdef}\n  params: {rdef}\nPass"
-      " gradients with exactly the structure of the params (for equinox, filter"
-      " both with the same eqx.filter)."
+      f"The {what} do not match the structure of the parameters that tx.init was called with."
+      f"\n  {what}: {gdef}\n  params: {rdef}\nPass gradients with exactly the structure of the"
+      " params (for equinox, filter both with the same eqx.filter)."
     )
   for (path, g), r in zip(
     jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
   ):
     if jnp.shape(g) != jnp.shape(r):
       raise ValueError(
-        f"The {what} leaf at {jax.tree_util.keystr(path)} has shape"
-        f" {jnp.shape(g)}, but the parameter has shape {jnp.shape(r)}."
+        f"The {what} leaf at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)}, but the"
+        f" parameter has shape {jnp.shape(r)}."
       )
 
 
 def check_trainable(params: Any, what: str = "params") -> None:
   """TypeError naming the first integer or bool leaf: gradients need float or complex leaves."""
   for path, x in jax.tree_util.tree_leaves_with_path(params):
-    dtype = jnp.result_type(x)
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    if not is_inexact(x):
+      dtype = jnp.result_type(x)
       name = "float0" if dtype == jax.dtypes.float0 else dtype
       raise TypeError(
         f"The {what} leaf {jax.tree_util.keystr(path) or what} has dtype {name}: only float"

@@ -24,17 +24,14 @@ class EquivalenceReport:
   """The result of :func:`check_equivalence`; ``str(report)`` is a readable diagnosis.
 
   Attributes:
-    ok: the fact, ``loss_rel_error <= rtol`` and ``max_rel_grad_error <= rtol``; ``cause`` is a hint.
-    num_microbatches: ``k``.
-    weighted: whether a ``weight_fn`` was given.
-    rtol: the tolerance used.
-    loss_whole: ``loss_fn`` on the whole batch (``jax.value_and_grad``).
-    loss_accumulated: the loss of ``ga.value_and_grad(loss_fn, k, ...)``.
-    loss_rel_error: the loss's relative error, ``|loss_accumulated - loss_whole| / |loss_whole|``.
-    max_rel_grad_error: the gradient's relative error: the largest ``|accumulated - whole|``
-      entry over all leaves, over the whole-batch gradient's largest ``|entry|``.
-    mean_of_means_loss: the naive mean of the ``k`` micro-batches' mean losses.
-    mean_of_means_error: the larger of that naive mean's loss and gradient relative errors.
+    ok: ``loss_rel_error <= rtol and max_rel_grad_error <= rtol`` (the fact; ``cause`` is a hint).
+    num_microbatches, weighted, rtol: ``k``, whether a ``weight_fn`` was given, the tolerance.
+    loss_whole, loss_accumulated: the whole batch's loss and that of ``ga.value_and_grad``.
+    loss_rel_error: ``|loss_accumulated - loss_whole| / |loss_whole|``.
+    max_rel_grad_error: the largest ``|accumulated - whole|`` gradient entry over the largest
+      ``|whole|`` entry.
+    mean_of_means_loss, mean_of_means_error: the naive mean of the micro-batches' mean losses,
+      and the larger of its loss and gradient relative errors.
     cause: ``None``, or ``"randomness"``, ``"weighting"``, ``"batch_dependence"``, ``"unknown"``.
     reason: ``None`` when ``ok``, else the likely reason and what to pass.
     fitted_weights: the micro-batch weights (summing to 1) that best rebuild the whole batch.
@@ -177,15 +174,14 @@ def check_equivalence(
     return dataclasses.replace(report, cause="randomness", reason=_RANDOM)
   fit = _fit_weights(losses, grads, loss_whole, g_whole, scale, max(rtol, 1e-4))
   cause, reason = _diagnose(fit, mbs, weight_fn, mesh, k)
-  weights = None if fit is None or fit is False else tuple(float(w) for w in fit)
+  weights = tuple(map(float, fit)) if isinstance(fit, np.ndarray) else None
   return dataclasses.replace(report, cause=cause, reason=reason, fitted_weights=weights)
 
 
 _RANDOM = (
   "loss_fn is random (another key changes its loss, or it draws new constants each time it is"
-  " traced, e.g. with numpy.random), so the whole batch and the micro-batches draw different"
-  " dropout masks or noise and cannot agree. Check with randomness off (deterministic=True,"
-  " model.eval(), dropout rate 0): the accumulation of the deterministic loss is what must match."
+  " traced, e.g. with numpy.random): the whole batch and the micro-batches draw different noise."
+  " Check with randomness off (deterministic=True, model.eval(), dropout rate 0)."
 )
 
 
@@ -199,19 +195,16 @@ def _rel_errors(loss, grads, loss_whole, g_whole, scale) -> tuple[float, float]:
 
 
 def _traces_differ(loss_fn: Callable[..., Any], params: Any, mb: Any) -> bool:
-  """Whether two traces of ``loss_fn`` differ (randomness drawn in Python, ``numpy.random``): a
-  key-free JAX function traces to the same program and constants every time, with no compile."""
+  """Whether two traces of ``loss_fn`` differ: randomness drawn in Python (``numpy.random``)."""
   # A new wrapper per trace: jax caches the trace of a function it has seen.
   a, b = (jax.make_jaxpr(lambda p, m: loss_fn(p, m))(params, mb) for _ in range(2))
-  if str(a.jaxpr) != str(b.jaxpr) or len(a.consts) != len(b.consts):
-    return True
-  return any(not np.array_equal(x, y) for x, y in zip(a.consts, b.consts, strict=True))
+  same = str(a.jaxpr) == str(b.jaxpr) and len(a.consts) == len(b.consts)
+  return not (same and all(np.array_equal(x, y) for x, y in zip(a.consts, b.consts, strict=True)))
 
 
 def _fit_weights(losses, grads, loss_whole, g_whole, scale, tol) -> Any:
-  """Weights ``w`` (summing to 1) with ``sum_i w_i (L_i, g_i) = (L, g)`` by least squares on the
-  loss and (at most ``_MAX_FIT_COORDS``) gradient coordinates, each over the whole batch's scale;
-  None if a residual exceeds ``tol`` or a weight is below ``-tol``; False: too few coordinates."""
+  """Least-squares weights ``w`` (summing to 1) with ``sum_i w_i (L_i, g_i) = (L, g)``; None if
+  none fits within ``tol`` or one is below ``-tol``; False for too few gradient coordinates."""
   k, size = len(losses), sum(int(np.size(g)) for g in jax.tree.leaves(g_whole))
   if size + 1 < 2 * k:
     return False  # as many unknowns as equations: any data fits
@@ -231,9 +224,8 @@ def _fit_weights(losses, grads, loss_whole, g_whole, scale, tol) -> Any:
 
 
 def _suggest_weight_fn(mbs: list[Any], fit: np.ndarray, tol: float) -> str | None:
-  """A ``"lambda mb: ..."`` whose counts match the fitted weights, or None. Most likely first:
-  masks (bool or 0/1 leaves), labels with an ignore index (integer leaves with negative entries:
-  count ``>= 0``), padded token ids (integer leaves, rank >= 2, with zeros: count ``!= 0``)."""
+  """A ``"lambda mb: ..."`` whose counts match the fitted weights, or None: masks first, then
+  labels with a negative ignore index (count ``>= 0``), then padded token ids (count ``!= 0``)."""
   found = []  # (rank, text, counts per micro-batch)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(mbs[0])]
   for path, xs in zip(paths, zip(*map(jax.tree.leaves, mbs), strict=True), strict=True):

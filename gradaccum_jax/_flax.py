@@ -76,11 +76,9 @@ class _LinenModel:
       raise
     if not with_stats:
       return out, batch_stats
-    out, mutated = out
-    new_stats = mutated.get("batch_stats", {})
-    if isinstance(batch_stats, self.flax.core.FrozenDict):  # keep the state's structure
-      new_stats = self.flax.core.freeze(new_stats)
-    return out, new_stats
+    out, new_stats = out[0], out[1].get("batch_stats", {})
+    frozen = isinstance(batch_stats, self.flax.core.FrozenDict)  # keep the state's structure
+    return out, self.flax.core.freeze(new_stats) if frozen else new_stats
 
   def _explain(self, e: Exception, key: Any, with_stats: bool) -> None:
     """Raises the error naming the argument of ``linen_train_step`` to change, if ``e`` has one."""
@@ -115,7 +113,7 @@ class _LinenModel:
           f" itself, but this loss_fn applies a module ({e}). Write loss_fn(outputs, microbatch),"
           " e.g. lambda logits, mb: optax.softmax_cross_entropy_with_integer_labels(...).mean()."
         ) from e
-      return (value, (aux, new_stats)) if spec.has_aux else (value, new_stats)
+      return spec.pack(value, aux, new_stats)
 
     return dataclasses.replace(spec, fn=loss)
 
@@ -170,10 +168,8 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
 
   if not jit:
     return step
-  jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
-  return JitStep(
-    jitted, lambda a: as_accumulate(a[0].tx).fixed_num_microbatches("linen_train_step")
-  )
+  k = lambda a: as_accumulate(a[0].tx).fixed_num_microbatches("linen_train_step")  # noqa: E731
+  return JitStep(jax.jit(step, donate_argnums=(0,) if donate else ()), k)
 
 
 def linen_train_step(

@@ -59,7 +59,7 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
       value = opts.loss.fn(merged, mb)
       value, aux = split_output(value, opts.loss.has_aux, "loss_fn(model, microbatch)")
       new_rest = nnx.as_pure(nnx.split(merged, wrt, ..., graph=graph)[2])
-      return (value, (aux, new_rest)) if opts.loss.has_aux else (value, new_rest)
+      return opts.loss.pack(value, aux, new_rest)
 
     spec = dataclasses.replace(opts.loss, fn=loss)
     run = dataclasses.replace(opts, loss=spec, batchnorm_momentum=momentum)
@@ -74,10 +74,7 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   if not jit:
     return step
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
-
-  def k(args):  # for JitStep's check of num_real_microbatches
-    return as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step")
-
+  k = lambda a: as_accumulate(a[1].tx).fixed_num_microbatches("nnx_train_step")  # noqa: E731
   return JitStep(jitted, k, calls_compiled=False)  # nnx.jit's lower takes other arguments
 
 

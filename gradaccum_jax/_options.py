@@ -77,18 +77,14 @@ class LossSpec:
     except ValueError:  # no signature to read (a builtin): let the call say
       return
     except TypeError:
-      names = (
-        ["params", "model_state", "microbatch"] if self.has_state else ["params", "microbatch"]
-      )
-      with_rng = n > len(names)
-      called = ", ".join(names + ["rng"] * with_rng)
-      fix = (
-        "add an rng argument to loss_fn, or call the step without rng="
-        if with_rng
-        else "call the step with rng=key if loss_fn takes a key"
-        + ("" if self.has_state else ", or pass has_state=True for loss_fn(params, model_state,"
-           " microbatch)")
-      )  # fmt: skip
+      called = "params, model_state, microbatch" if self.has_state else "params, microbatch"
+      if n > 2 + self.has_state:
+        called += ", rng"
+        fix = "add an rng argument to loss_fn, or call the step without rng="
+      else:
+        fix = "call the step with rng=key if loss_fn takes a key"
+        if not self.has_state:
+          fix += ", or pass has_state=True for loss_fn(params, model_state, microbatch)"
       raise TypeError(
         f"ga calls loss_fn({called}), but {getattr(self.fn, '__name__', 'loss_fn')}"
         f"{inspect.signature(self.fn)} does not take {n} positional arguments: {fix}."
