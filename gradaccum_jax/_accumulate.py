@@ -272,13 +272,13 @@ class _Accumulator:
   ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
-    Returns the updates (with ``apply``: the new params), the new state and the mean
-    gradient's global norm (float32). A window of zero or non-finite total weight, or (with
-    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided: zero updates, the inner
-    state kept. The voided window is kept out by selects (the default), by a loop of 0 or 1
-    trips (``in_place``, with ``apply``, for a donated step), or by a ``lax.cond`` (``branch``:
-    streaming calls; the caller clears ``acc_grads`` after its own ``lax.cond``, see
-    ``_close_if``). Why each: docs/architecture.md, "Closing a window".
+    Returns the new params (``branch``: the updates), the new state and the mean gradient's
+    global norm (float32). A window of zero or non-finite total weight, or (with
+    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided: the params and inner
+    state kept. It is kept out by selects (the default), by a loop of 0 or 1 trips
+    (``in_place``: a donated fused step), or by a ``lax.cond`` (``branch``: streaming calls,
+    whose caller clears ``acc_grads`` after its own ``lax.cond``, see ``_close_if``). Why
+    each: docs/architecture.md, "Closing a window".
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
