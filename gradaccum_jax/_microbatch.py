@@ -27,6 +27,7 @@ from gradaccum_jax._parts import (
   SumsUnit,
   is_running_mean,
   mean_of,
+  safe_mean,
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
 
@@ -34,19 +35,16 @@ from gradaccum_jax._sharding import over_mesh, to_varying
 def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any:
   """Micro-batch ``index`` of ``batch``: the rows ``index, index + k, index + 2k, ...``.
 
-  The strided choice keeps a batch that is sharded on its leading axis in
-  place: every micro-batch takes ``b / D`` rows from each of ``D`` devices, so
-  no row crosses devices. The reshape to ``(b, k, ...)`` is free (no copy);
-  only the ``b`` selected rows are gathered, one micro-batch at a time.
+  Strided, so a batch sharded on its leading axis stays in place: each micro-batch takes
+  ``B / (k D)`` rows from each of ``D`` devices, and only its rows are gathered.
 
   Args:
-    batch: a pytree of arrays whose leaves share a leading axis ``B``, a
-      multiple of ``k``.
+    batch: a pytree of arrays sharing a leading axis ``B``, a multiple of ``k``.
     index: which micro-batch, ``0 <= index < k`` (an int or a traced int).
     num_microbatches: ``k``.
 
   Returns:
-    The micro-batch: ``batch`` with every leaf's leading axis ``B / k``.
+    ``batch`` with every leaf's leading axis ``B / k``.
 
   Raises:
     IndexError: for a concrete ``index`` outside ``[0, k)``.
@@ -106,11 +104,6 @@ class Window(NamedTuple):
     return loss, aux
 
 
-def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
-  """``total / weight``, and 0 where the weight is 0."""
-  return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
   """The core: a loss function's window sums over the ``k`` micro-batches of a batch."""
@@ -138,12 +131,11 @@ class MicrobatchedGrad:
     num_real: jax.Array | None = None,
     in_buffer: bool = False,
   ) -> Window:
-    """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros, or sums in
-    float32 or wider: a narrower leaf keeps a running mean from zero); on a mesh if set.
+    """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros for a leaf
+    narrower than float32, which keeps a running mean); on a mesh if set.
 
-    The scan starts from ``acc_init``; on a mesh only with ``in_buffer`` (the donated step
-    scanning into the state's accumulator, in its buffer), and only where a device's
-    accumulator is its share of it, otherwise ``acc_init`` is added after the reduction."""
+    On a mesh the scan starts from ``acc_init`` only with ``in_buffer`` (a donated step scanning
+    into the state's accumulator) where a device holds its share; else it is added after."""
     check_trainable(params)
     dp = self.options.parallel
     if dp is None:
@@ -161,23 +153,12 @@ class MicrobatchedGrad:
     )  # fmt: skip
 
   def local_sums(
-    self,
-    params,
-    batch,
-    rng,
-    acc_init,
-    model_state,
-    scale,
-    num_real,
-    vary=(),
-    per_micro=None,
+    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
   ):
     """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes).
 
-    ``per_micro`` (``gather_params="per_microbatch"``, a ``_sharding.PerMicrobatch``): the
-    params are shards, gathered for each micro-batch, and the gradient sums are reduced into
-    a sharded accumulator (``acc_init`` shaped like the shards).
-    """
+    ``per_micro`` (a ``_sharding.PerMicrobatch``): the params are shards, gathered for each
+    micro-batch; the gradients are reduced into an accumulator shaped like the shards."""
     k, opts = self.num_microbatches, self.options
     rows = check_batch(batch, k) // k
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
@@ -187,11 +168,9 @@ class MicrobatchedGrad:
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
     noise_unit = NoiseUnit(opts.weighting) if self.noise_sums else Off()
-    model_unit = (
-      ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
-      if opts.has_state
-      else Off()
-    )
+    model_unit = Off()
+    if opts.has_state:
+      model_unit = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
 
     def one(i, start):
       mb = microbatch(batch, i, k)
@@ -222,14 +201,8 @@ class MicrobatchedGrad:
     noise = c.noise
     if isinstance(noise, NoiseSums) and not opts.weighting.weighted:
       noise = noise._replace(examples=jnp.asarray(num * rows, jnp.float32))  # b rows each
-    return Window(
-      sums_unit.finish(c.sums, num),
-      noise,
-      model_unit.finish(c.model, num),
-      like.loss,
-      like.aux,
-      num,
-    )
+    sums, state = sums_unit.finish(c.sums, num), model_unit.finish(c.model, num)
+    return Window(sums, noise, state, like.loss, like.aux, num)
 
 
 def value_and_grad(
@@ -323,14 +296,10 @@ def value_and_grad(
     loss, aux = w.means()
     return opts.loss.pack(loss, aux, w.model_state), grads
 
-  if has_state:
-
-    def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
-      return compute(params, model_state, batch, rng, num_real_microbatches)
-
-    return vg_state
-
   def vg(params, batch, rng=None, *, num_real_microbatches=None):
     return compute(params, None, batch, rng, num_real_microbatches)
 
-  return vg
+  def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
+    return compute(params, model_state, batch, rng, num_real_microbatches)
+
+  return vg_state if has_state else vg
