@@ -20,12 +20,11 @@ class NoiseScaleState(NamedTuple):
   :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)`; :func:`noise_scale` is the ratio of their EMAs.
 
   Attributes:
-    g2_ema: EMA of the estimates of :math:`|G|^2`, started at 0 (float32; divide by
-      ``1 - decay ** count`` for the bias-corrected value, which cancels in the ratio).
-    trace_ema: EMA of the estimates of :math:`\mathrm{tr}(\Sigma)`, started at 0 (float32).
+    g2_ema: EMA of the estimates of :math:`|G|^2` from 0 (float32; the bias correction
+      ``1 - decay ** count`` cancels in the ratio).
+    trace_ema: EMA of the estimates of :math:`\mathrm{tr}(\Sigma)` from 0 (float32).
     count: windows averaged into the EMAs (int32).
-    sq_sum: :math:`\sum_i w_i |g_i|^2` over the open window's micro-batches, as they were
-      differentiated (times the loss scale squared) (float32).
+    sq_sum: :math:`\sum_i w_i |g_i|^2` over the open window, times the loss scale squared.
     num: micro-batches of positive weight in the open window (per-device ones on a mesh).
     examples: examples in the open window: the summed weights, or ``k * b`` unweighted.
   """
@@ -62,9 +61,8 @@ def with_sums(ns: NoiseScaleState | None, sums: NoiseSums | tuple[()]) -> Any:
 
 
 def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> Any:
-  """``sums`` (a :class:`NoiseSums` or :class:`NoiseScaleState`) after one micro-batch of
-  squared gradient norm ``sq``: of weight ``w`` (counting its examples), or unweighted
-  (``w=None``: it holds ``examples``)."""
+  """``sums`` (:class:`NoiseSums` or :class:`NoiseScaleState`) after a micro-batch of squared
+  gradient norm ``sq`` and weight ``w`` (its examples), or unweighted (``None``: ``examples``)."""
   if w is None:
     return sums._replace(
       sq_sum=sums.sq_sum + sq, num=sums.num + 1.0, examples=sums.examples + examples
@@ -79,9 +77,7 @@ def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0
 
 def add_window(ns: NoiseScaleState, sums: NoiseSums) -> NoiseScaleState:
   """The open window's sums with a fused window's added."""
-  return ns._replace(
-    sq_sum=ns.sq_sum + sums.sq_sum, num=ns.num + sums.num, examples=ns.examples + sums.examples
-  )
+  return with_sums(ns, jax.tree.map(jnp.add, open_sums(ns), sums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +86,7 @@ class NoiseUnit:
 
   weighting: Weighting
 
-  def init(self, *args: Any) -> NoiseSums:
+  def init(self) -> NoiseSums:
     return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
 
   def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
