@@ -17,11 +17,11 @@ from gradaccum_jax._checks import (
   check_trainable,
   is_inexact,
 )
+from gradaccum_jax._model_state import ModelStatePlan
 from gradaccum_jax._noise import NoiseSums, NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   Micro,
-  ModelStateUnit,
   Off,
   Sums,
   SumsUnit,
@@ -170,7 +170,7 @@ class MicrobatchedGrad:
     noise_unit = NoiseUnit(opts.weighting) if self.noise_sums else Off()
     model_unit = Off()
     if opts.has_state:
-      model_unit = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
+      model_unit = ModelStatePlan.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
 
     def one(i, start):
       mb = microbatch(batch, i, k)

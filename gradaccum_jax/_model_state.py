@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from gradaccum_jax._parts import Micro
 
 BATCHNORM_MODES = ("sequential", "per_window", "frozen")
 
@@ -61,9 +63,14 @@ def batchnorm_leaves(model_state: Any) -> list[str | None]:
   ]
 
 
+class ModelCarry(NamedTuple):
+  state: Any  # the model state after the last micro-batch
+  stats: Any  # per_window: the running sums of the BatchNorm statistics
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelStatePlan:
-  """How the model state flows through the micro-batches of one window.
+  """The scan's unit for the model state: how it flows through the micro-batches of a window.
 
   ``sequential``: threaded through them (k running-average updates: ghost batch norm).
   ``frozen``: the BatchNorm statistics are the same for every micro-batch and left unchanged.
@@ -75,6 +82,7 @@ class ModelStatePlan:
   momentum: float | None
   kinds: tuple[str | None, ...]
   var_to_mean: tuple[int | None, ...]
+  initial: Any  # the model state the window starts from
 
   @classmethod
   def make(cls, model_state: Any, mode: str, momentum: float | None) -> ModelStatePlan:
@@ -91,48 +99,48 @@ class ModelStatePlan:
       index[p[:-1] + ("mean",)] if kind == "var" else None
       for p, kind in zip(paths, kinds, strict=True)
     )
-    return cls(mode, momentum, kinds, var_to_mean)
+    return cls(mode, momentum, kinds, var_to_mean, model_state)
 
-  def for_microbatch(self, carried: Any, initial: Any) -> Any:
-    """The state micro-batch i starts from (also the frozen mode's state after the window)."""
+  def init(self) -> ModelCarry:
+    """per_window's stats: (sum of new values, sum of squared shifts) per BatchNorm leaf."""
+    if self.mode != "per_window":
+      return ModelCarry(self.initial, None)
+    stats = [
+      (jnp.zeros(jnp.shape(x), jnp.float32),) * 2 if kind else None
+      for kind, x in zip(self.kinds, jax.tree.leaves(self.initial), strict=True)
+    ]
+    return ModelCarry(self.initial, stats)
+
+  def start(self, c: ModelCarry) -> Any:
+    """The state the next micro-batch starts from (also the frozen mode's state after it)."""
     if self.mode == "sequential":
-      return carried
-    c, treedef = jax.tree.flatten(carried)
-    s = jax.tree.leaves(initial)
+      return c.state
+    leaves, treedef = jax.tree.flatten(c.state)
+    s = jax.tree.leaves(self.initial)
     return treedef.unflatten(
-      [x0 if kind else x for x, x0, kind in zip(c, s, self.kinds, strict=True)]
+      [x0 if kind else x for x, x0, kind in zip(leaves, s, self.kinds, strict=True)]
     )
 
-  def stats0(self, initial: Any) -> Any:
-    """Running sums for per_window: (sum of new values, sum of squared mean shifts)."""
+  def update(self, c: ModelCarry, m: Micro) -> ModelCarry:
     if self.mode != "per_window":
-      return None
-    leaves = jax.tree.leaves(initial)
-    return [
-      (jnp.zeros(jnp.shape(x), jnp.float32),) * 2 if kind else None
-      for kind, x in zip(self.kinds, leaves, strict=True)
-    ]
-
-  def add(self, stats: Any, new: Any, initial: Any) -> Any:
-    if self.mode != "per_window":
-      return None
+      return ModelCarry(m.model_state, None)
 
     def one(st, x, x0):
       x = x.astype(jnp.float32)
       shift = x - x0.astype(jnp.float32)
       return st[0] + x, st[1] + shift * shift
 
-    n, s = jax.tree.leaves(new), jax.tree.leaves(initial)
-    return [None if st is None else one(st, n[i], s[i]) for i, st in enumerate(stats)]
+    n, s = jax.tree.leaves(m.model_state), jax.tree.leaves(self.initial)
+    stats = [None if st is None else one(st, n[i], s[i]) for i, st in enumerate(c.stats)]
+    return ModelCarry(m.model_state, stats)
 
-  def finish(self, carried: Any, stats: Any, initial: Any, num_microbatches: int) -> Any:
-    """The model state after the window."""
+  def finish(self, c: ModelCarry, num: Any) -> Any:
+    """The model state after the window of ``num`` micro-batches."""
     if self.mode != "per_window":
-      return self.for_microbatch(carried, initial)
-    c, treedef = jax.tree.flatten(carried)
-    s = jax.tree.leaves(initial)
-    out = list(c)
-    k = jnp.asarray(num_microbatches, jnp.float32)
+      return self.start(c)
+    out, treedef = jax.tree.flatten(c.state)
+    s, stats = jax.tree.leaves(self.initial), c.stats
+    k = jnp.asarray(num, jnp.float32)
     for i, kind in enumerate(self.kinds):
       if kind is None:
         continue

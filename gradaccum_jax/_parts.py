@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import check_weight, is_inexact
-from gradaccum_jax._model_state import ModelStatePlan
 
 
 class Micro(NamedTuple):
@@ -214,36 +213,6 @@ class Off:
 
   def finish(self, carry: tuple[()], num: Any) -> None:
     return None
-
-
-class ModelCarry(NamedTuple):
-  state: Any  # the model state after the last micro-batch
-  stats: Any  # per_window: the running sums of the BatchNorm statistics
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelStateUnit:
-  """The model state through the micro-batches, as the BatchNorm mode says."""
-
-  plan: ModelStatePlan
-  initial: Any
-
-  @classmethod
-  def make(cls, initial: Any, mode: str, momentum: float | None) -> ModelStateUnit:
-    return cls(ModelStatePlan.make(initial, mode, momentum), initial)
-
-  def init(self, *args: Any) -> ModelCarry:
-    return ModelCarry(self.initial, self.plan.stats0(self.initial))
-
-  def start(self, c: ModelCarry) -> Any:
-    """The state the next micro-batch starts from."""
-    return self.plan.for_microbatch(c.state, self.initial)
-
-  def update(self, c: ModelCarry, m: Micro) -> ModelCarry:
-    return ModelCarry(m.model_state, self.plan.add(c.stats, m.model_state, self.initial))
-
-  def finish(self, c: ModelCarry, num: Any) -> Any:
-    return self.plan.finish(c.state, c.stats, self.initial, num)
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:
