@@ -67,13 +67,6 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
   return jax.tree.map(take, batch)
 
 
-def cast_floats(tree: Any, dtype: Any) -> Any:
-  """Float leaves of ``tree`` cast to ``dtype`` (mixed precision); others unchanged."""
-  return jax.tree.map(
-    lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree
-  )
-
-
 class Carry(NamedTuple):
   """The scan's carry: one typed part per unit (``()`` for a unit that is off)."""
 
@@ -114,8 +107,11 @@ class MicrobatchedGrad:
 
   def _objective(self, params, model_state, mb, key, scale):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
-    if self.options.compute_dtype is not None:
-      params = cast_floats(params, self.options.compute_dtype)
+    dtype = self.options.compute_dtype
+    if dtype is not None:  # mixed precision: float params cast, others unchanged
+      params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
+      )
     loss, aux, new_state = self.options.loss.call(params, model_state, mb, key)
     scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
     return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
@@ -285,8 +281,8 @@ def value_and_grad(
   )
   mg = MicrobatchedGrad(opts, k)
 
-  def compute(params, model_state, batch, rng, num_real):
-    num_real = check_real_microbatches(num_real, k)
+  def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
+    num_real = check_real_microbatches(num_real_microbatches, k)
     w = mg.sums(
       params, batch, rng, zeros_accumulator(params, accum_dtype), model_state, None, num_real
     )
@@ -297,9 +293,6 @@ def value_and_grad(
     return opts.loss.pack(loss, aux, w.model_state), grads
 
   def vg(params, batch, rng=None, *, num_real_microbatches=None):
-    return compute(params, None, batch, rng, num_real_microbatches)
-
-  def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
-    return compute(params, model_state, batch, rng, num_real_microbatches)
+    return vg_state(params, None, batch, rng, num_real_microbatches=num_real_microbatches)
 
   return vg_state if has_state else vg

@@ -14,17 +14,12 @@ from gradaccum_jax._parts import Micro
 BATCHNORM_MODES = ("sequential", "per_window", "frozen")
 
 
-def check_batchnorm_mode(batchnorm: str) -> None:
-  """ValueError unless ``batchnorm`` is one of :data:`BATCHNORM_MODES`."""
-  if batchnorm not in BATCHNORM_MODES:
-    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
-
-
 def check_batchnorm(
   batchnorm: str, momentum: float | None, has_state: bool, *, from_model: bool = False
 ) -> None:
   """Checks the BatchNorm mode and momentum (``from_model``: read later from the model)."""
-  check_batchnorm_mode(batchnorm)
+  if batchnorm not in BATCHNORM_MODES:
+    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
   if momentum is not None:
     real = isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
     if not (real and 0.0 <= float(momentum) < 1.0):

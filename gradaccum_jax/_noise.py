@@ -163,12 +163,3 @@ def noise_scale(state: Any) -> jax.Array:
       " ga.accumulate(inner, k, noise_scale_ema=0.99)."
     )
   return ns.trace_ema / ns.g2_ema
-
-
-def window_metrics(
-  ns: NoiseScaleState, new: NoiseScaleState, acc_grads: Any, weight: jax.Array, scale: Any
-) -> dict[str, jax.Array]:
-  """A fused window's noise metrics: the new ratio and the window's own estimates."""
-  g2, trace = estimates(acc_grads, weight, ns, scale)
-  ratio = new.trace_ema / new.g2_ema
-  return {"noise_scale": ratio, "grad_sq_norm_est": g2, "trace_sigma_est": trace}

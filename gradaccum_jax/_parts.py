@@ -38,15 +38,13 @@ class Sums(NamedTuple):
 
 def sum_dtype(like: Any) -> Any:
   """The dtype a sum of ``like`` values is kept in: float32 or wider, int32 or wider."""
-  dtype = jnp.result_type(like)
-  if is_inexact(like):
-    return jnp.promote_types(dtype, jnp.float32)
-  return jnp.promote_types(dtype, jnp.int32)
+  floor = jnp.float32 if is_inexact(like) else jnp.int32
+  return jnp.promote_types(jnp.result_type(like), floor)
 
 
 def is_running_mean(acc: Any) -> bool:
   """Whether an accumulator leaf keeps the running weighted mean (updated in float32, as in
-  ``optax.MultiSteps``) instead of the sum: a float narrower than float32, whose sum can overflow."""
+  ``optax.MultiSteps``) instead of the sum: a float narrower than float32 (its sum overflows)."""
   dtype = jnp.result_type(acc)
   return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 

@@ -19,8 +19,7 @@ from gradaccum_jax._accumulate import (
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure
 from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._noise import NoiseSums, add_window
-from gradaccum_jax._noise import window_metrics as noise_metrics
+from gradaccum_jax._noise import NoiseSums, add_window, estimates, noise_scale
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import keep_if_voided, keeps_running_means, merge_gradients
 from gradaccum_jax._sharding import place_params
@@ -192,7 +191,19 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     new_model_state = None
     if opts.has_state:  # a voided window restores float state (statistics); counters advance
       new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
-    metrics = window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts)
+    metrics = {
+      "loss": loss,
+      "grad_norm": grad_norm,
+      "weight": sums.weight,
+      "updated": new_state.updated,
+    }
+    if opts.loss.has_aux:
+      metrics["aux"] = aux
+    if scale is not None:
+      metrics["loss_scale"] = scale
+    if isinstance(window.noise, NoiseSums):  # the new ratio and this window's estimates
+      g2, trace = estimates(acc_grads, weight, state.noise_scale, scale)
+      metrics.update(noise_scale=noise_scale(new_state), grad_sq_norm_est=g2, trace_sigma_est=trace)
     return new_params, new_model_state, new_state, metrics
 
   return fused
@@ -219,23 +230,3 @@ def merge_open_window(
     return merged, jax.tree.map(lambda m: jnp.where(is_open, jnp.zeros_like(m), m), merged)
 
   return loop_once_if(is_open, merge, (grads, state.acc_grads))
-
-
-def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts) -> dict:
-  """The metrics of a closed window (see :func:`train_step`)."""
-  scale = None if state.loss_scale is None else state.loss_scale.scale
-  loss, aux = window.means()
-  metrics = {
-    "loss": loss,
-    "grad_norm": grad_norm,
-    "weight": window.sums.weight,
-    "updated": new_state.updated,
-  }
-  if opts.loss.has_aux:
-    metrics["aux"] = aux
-  if scale is not None:
-    metrics["loss_scale"] = scale
-  if isinstance(window.noise, NoiseSums):
-    ns = state.noise_scale
-    metrics.update(noise_metrics(ns, new_state.noise_scale, acc_grads, weight, scale))
-  return metrics
