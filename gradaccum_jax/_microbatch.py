@@ -117,15 +117,7 @@ class MicrobatchedGrad:
     return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
 
   def sums(
-    self,
-    params: Any,
-    batch: Any,
-    rng: jax.Array | None,
-    acc_init: Any,
-    model_state: Any = None,
-    scale: jax.Array | None = None,
-    num_real: jax.Array | None = None,
-    in_buffer: bool = False,
+    self, params, batch, rng, acc_init, model_state=None, scale=None, num_real=None, in_buffer=False
   ) -> Window:
     """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros for a leaf
     narrower than float32, which keeps a running mean); on a mesh if set.
@@ -219,12 +211,10 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
-  The batch (leaves sharing a leading axis ``B``) is split into ``k`` micro-batches of
-  ``B / k`` rows (micro-batch ``i`` holds rows ``i, i + k, ...``, so a sharded batch never
-  moves); a ``lax.scan`` sums their weighted losses and gradients, holding one micro-batch's
-  activations: :math:`L = \sum_i w_i L_i / \sum_i w_i` and
-  :math:`G = \sum_i w_i \nabla L_i / \sum_i w_i` (``w_i`` 1, or ``weight_fn``: with a
-  token count, ``L`` is the batch's token mean). A weight-0 micro-batch adds nothing, even NaN.
+  A ``lax.scan`` over the ``k`` micro-batches of :func:`microbatch` sums their weighted losses
+  and gradients, holding one micro-batch's activations: :math:`L = \sum_i w_i L_i / \sum_i w_i`
+  and :math:`G = \sum_i w_i \nabla L_i / \sum_i w_i` (``w_i`` 1, or ``weight_fn``'s: with token
+  counts, ``L`` is the token mean). A weight-0 micro-batch adds nothing, even NaN.
 
   Args:
     loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss, or

@@ -64,19 +64,15 @@ def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0
   """``sums`` (:class:`NoiseSums` or :class:`NoiseScaleState`) after a micro-batch of squared
   gradient norm ``sq`` and weight ``w`` (its examples), or unweighted (``None``: ``examples``)."""
   if w is None:
-    return sums._replace(
-      sq_sum=sums.sq_sum + sq, num=sums.num + 1.0, examples=sums.examples + examples
-    )
+    return add_window(sums, NoiseSums(sq, 1.0, examples))
   pos = w > 0
-  return sums._replace(
-    sq_sum=sums.sq_sum + jnp.where(pos, w * sq, 0.0),
-    num=sums.num + pos.astype(jnp.float32),
-    examples=sums.examples + jnp.where(pos, w, 0.0),
-  )
+  more = NoiseSums(jnp.where(pos, w * sq, 0.0), pos.astype(jnp.float32), jnp.where(pos, w, 0.0))
+  return add_window(sums, more)
 
 
-def add_window(ns: NoiseScaleState, sums: NoiseSums) -> NoiseScaleState:
-  """The open window's sums with a fused window's added."""
+def add_window(ns: Any, sums: NoiseSums) -> Any:
+  """``ns`` (:class:`NoiseSums` or :class:`NoiseScaleState`) with ``sums`` added to its open
+  window's."""
   return with_sums(ns, jax.tree.map(jnp.add, open_sums(ns), sums))
 
 
@@ -127,10 +123,10 @@ def after_window(
 def noise_scale(state: Any) -> jax.Array:
   r"""The simple gradient noise scale :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
 
-  The ratio of the moving averages in ``state.noise_scale``, in examples (or whatever the
-  weights count; micro-batches for unweighted streaming calls): the batch size at which the
-  gradient noise equals the signal. NaN before the first estimated window, and noisy while
-  the EMAs hold few windows. See docs/noise_scale.md.
+  The ratio of the EMAs in ``state.noise_scale``, in examples (what the weights count;
+  micro-batches for unweighted streaming calls): the batch size at which the gradient noise
+  equals the signal. NaN before the first estimated window; noisy while the EMAs hold few
+  windows. See docs/noise_scale.md.
 
   Args:
     state: the state of ``ga.accumulate(..., noise_scale_ema=decay)`` (any mode's).

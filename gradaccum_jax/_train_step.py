@@ -52,10 +52,8 @@ def train_step(
   micro-batch's activations; ``state`` may be any mode's. Meshes: docs/data_parallel.md.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss
-      (``(loss, aux)`` with ``has_aux``; with ``has_state``, ``loss_fn(params, model_state,
-      microbatch[, rng]) -> (loss, new_model_state)`` and the step takes and returns
-      ``model_state`` after ``params``).
+    loss_fn, has_aux, has_state: as in :func:`value_and_grad`; with ``has_state`` the step
+      takes and returns ``model_state`` after ``params``.
     tx: made by :func:`accumulate` with an int ``num_microbatches``.
     weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens).
     donate, jit: donate ``params`` and ``state``; return the step jitted (default).
@@ -191,12 +189,7 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     new_model_state = None
     if opts.has_state:  # a voided window restores float state (statistics); counters advance
       new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
-    metrics = {
-      "loss": loss,
-      "grad_norm": grad_norm,
-      "weight": sums.weight,
-      "updated": new_state.updated,
-    }
+    metrics = dict(loss=loss, grad_norm=grad_norm, weight=sums.weight, updated=new_state.updated)
     if opts.loss.has_aux:
       metrics["aux"] = aux
     if scale is not None:
