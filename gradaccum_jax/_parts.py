@@ -1,9 +1,7 @@
 """The parts of a window's sums: one small unit per feature, composed by the micro-batch scan.
 
-As in ``optax.microbatching``, a unit has an ``init`` (its part of the scan carry) and an
-``update`` (add one micro-batch); the scan (``_microbatch.py``) strings them together. A feature
-that is off is the :class:`Off` unit, whose carry is an empty tuple.
-"""
+As in ``optax.microbatching``, a unit has an ``init`` (its part of the carry) and an ``update``
+(add one micro-batch); a feature that is off is the :class:`Off` unit, whose carry is ``()``."""
 
 from __future__ import annotations
 

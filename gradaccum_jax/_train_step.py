@@ -186,9 +186,8 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     cleared = new_state.acc_grads if cleared is None else cleared
     new_state = new_state._replace(acc_grads=place_params(dp, cleared))
     new_params = place_params(dp, new_params)
-    new_model_state = None
-    if opts.has_state:  # a voided window restores float state (statistics); counters advance
-      new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
+    # A voided window restores float model state (statistics), counters advance; None stays None.
+    new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = dict(loss=loss, grad_norm=grad_norm, weight=sums.weight, updated=new_state.updated)
     if opts.loss.has_aux:
       metrics["aux"] = aux
@@ -205,11 +204,9 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
 def merge_open_window(
   state: AccumulateState, grads: Any, weight: jax.Array, in_place: bool
 ) -> tuple[Any, Any]:
-  """``(the window's gradient sums, the new state's accumulator)``: ``grads`` (of total weight
-  ``weight``) plus a window left open by streaming calls, and zeros.
-
-  ``in_place`` (donated): the accumulator is read and cleared in a loop of 0 or 1 trips, only
-  when a window is open; else it holds zeros and passes through untouched (no XLA copy)."""
+  """``(grads plus the sums of a window left open by streaming calls, the new accumulator's
+  zeros)``. ``in_place`` (donated): merged in a loop of 0 or 1 trips that runs only when a
+  window is open; otherwise the accumulator holds zeros and passes through (XLA copies nothing)."""
   if not in_place:
     merged = merge_gradients(state.acc_grads, state.acc_weight, grads, weight)
     return merged, jax.tree.map(jnp.zeros_like, state.acc_grads)
