@@ -141,10 +141,9 @@ class MicrobatchedGrad:
   def local_sums(
     self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
   ):
-    """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes).
-
-    ``per_micro`` (a ``_sharding.PerMicrobatch``): the params are shards, gathered for each
-    micro-batch; the gradients are reduced into an accumulator shaped like the shards."""
+    """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes); with
+    ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
+    micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
     k, opts = self.num_microbatches, self.options
     rows = check_batch(batch, k) // k
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
@@ -167,23 +166,22 @@ class MicrobatchedGrad:
 
     like = jax.eval_shape(one, 0, model_state)
 
+    units = (sums_unit, noise_unit, model_unit)
+
     def body(c: Carry, i) -> tuple[Carry, None]:
       m = one(i, model_unit.start(c.model))
-      return Carry(
-        sums_unit.update(c.sums, m), noise_unit.update(c.noise, m), model_unit.update(c.model, m)
-      ), None
+      return Carry(*(unit.update(part, m) for unit, part in zip(units, c, strict=True))), None
 
     init = Carry(
       sums_unit.init(acc_init, like.loss, like.aux), noise_unit.init(), model_unit.init()
     )
     if vary:
       init = to_varying(init, vary)
+    num = k if num_real is None else num_real
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
-      num = k
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
-      num = num_real
     noise = c.noise
     if isinstance(noise, NoiseSums) and not opts.weighting.weighted:
       noise = noise._replace(examples=jnp.asarray(num * rows, jnp.float32))  # b rows each
@@ -254,19 +252,10 @@ def value_and_grad(
       " step of ga.train_step; pass 'once' or 'per_microbatch'."
     )
   opts = make_options(
-    "value_and_grad",
-    loss_fn,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    has_state=has_state,
-    batchnorm=batchnorm,
-    batchnorm_momentum=batchnorm_momentum,
-    compute_dtype=compute_dtype,
-    mesh=mesh,
-    data_axis=data_axis,
-    param_specs=param_specs,
-    gather_params=gather_params,
-  )
+    "value_and_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
+    batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
+    mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
+  )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
 
   def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):

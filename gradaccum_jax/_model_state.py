@@ -70,8 +70,7 @@ class ModelStatePlan:
   ``sequential``: threaded through them (k running-average updates: ghost batch norm).
   ``frozen``: the BatchNorm statistics are the same for every micro-batch and left unchanged.
   ``per_window``: every micro-batch starts from the window's statistics, and the running
-  averages are updated once with the window's pooled statistics. Other leaves are threaded.
-  """
+  averages are updated once with the window's pooled statistics. Other leaves are threaded."""
 
   mode: str
   momentum: float | None

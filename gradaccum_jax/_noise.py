@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._parts import Micro, Weighting, mean_of, sq_norm
+from gradaccum_jax._parts import Micro, Weighting, mean_of, safe_mean, sq_norm
 
 
 class NoiseScaleState(NamedTuple):
@@ -96,10 +96,9 @@ def estimates(
   :math:`(n |\bar g|^2 - A) / (n - 1)` and :math:`N (A - |\bar g|^2) / (n - 1)`, with
   :math:`A = \sum_i w_i |g_i|^2 / W`; NaN when ``n < 2`` or the window is empty."""
   valid = (ns.num > 1.5) & (acc_weight > 0)
-  weight = jnp.where(acc_weight > 0, acc_weight, 1.0)
   scale2 = 1.0 if scale is None else scale**2
   gbar2 = sq_norm(mean_of(acc_grads, acc_weight)) / scale2  # the sums are of scaled gradients
-  mean_sq = ns.sq_sum / weight / scale2
+  mean_sq = safe_mean(ns.sq_sum, acc_weight) / scale2
   n1 = jnp.where(valid, ns.num - 1.0, 1.0)
   g2 = (ns.num * gbar2 - mean_sq) / n1
   trace = ns.examples * (mean_sq - gbar2) / n1

@@ -173,9 +173,8 @@ class SumsUnit:
 
   def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
     zeros = lambda s: jnp.zeros(jnp.shape(s), sum_dtype(s))  # noqa: E731
-    return Sums(
-      acc_init, jnp.zeros((), jnp.float32), zeros(loss_like), jax.tree.map(zeros, aux_like)
-    )
+    aux = jax.tree.map(zeros, aux_like)
+    return Sums(acc_init, jnp.zeros((), jnp.float32), zeros(loss_like), aux)
 
   def update(self, s: Sums, m: Micro) -> Sums:
     w, wt = m.weight, self.weighting

@@ -62,10 +62,9 @@ def train_step(
       ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
 
   Returns:
-    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params,
-    state, metrics)`` with ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"`` (and
-    ``"aux"``, noise-scale estimates); ``num_real_microbatches=m`` uses micro-batches
-    ``0..m-1`` only (docs/usage.md).
+    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,
+    metrics)`` with ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"`` (and ``"aux"``,
+    noise-scale estimates); ``num_real_microbatches=m`` uses micro-batches 0..m-1 (docs/usage.md).
 
   Raises:
     TypeError, ValueError: for a bad ``tx``, mesh, batch size, ``state`` or ``param_specs``.
@@ -83,20 +82,11 @@ def train_step(
   acc = as_accumulate(tx)
   k = acc.fixed_num_microbatches("train_step")
   opts = make_options(
-    "train_step",
-    loss_fn,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    has_state=has_state,
-    batchnorm=batchnorm,
-    batchnorm_momentum=batchnorm_momentum,
-    compute_dtype=compute_dtype,
-    mesh=mesh,
-    data_axis=data_axis,
-    param_specs=param_specs,
-    gather_params=gather_params,
+    "train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
+    batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
+    mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes,
-  )
+  )  # fmt: skip
 
   def build(o: Options, jit: bool = True):
     fused = fused_step(o, acc, in_place=donate and jit)
@@ -130,10 +120,9 @@ def wrap_step(
 
 
 class JitStep:
-  """A jitted step that checks ``num_real_microbatches`` and passes it as an int32 array, so
-  Python ints and arrays of every value share one compiled program; the rest (``lower``, ...)
-  is the jitted function's. ``calls_compiled``: a program compiled from ``lower`` runs on the
-  same arguments (not so for ``nnx.jit``)."""
+  """A jitted step that checks ``num_real_microbatches`` and passes it as int32, so ints and
+  arrays of every value share one program; the rest (``lower``, ...) is the jitted function's.
+  ``calls_compiled``: a program compiled from ``lower`` runs on the same arguments (no nnx.jit)."""
 
   def __init__(self, jitted: Callable[..., Any], k: Callable[..., int], calls_compiled=True):
     self._jitted, self._k, self.calls_compiled = jitted, k, calls_compiled
