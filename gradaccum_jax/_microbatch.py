@@ -120,8 +120,8 @@ class MicrobatchedGrad:
     self, params, batch, rng, acc_init, model_state=None, scale=None, num_real=None, in_buffer=False
   ) -> Window:
     """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros for a running
-    mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only ``in_buffer`` (a
-    donated step's accumulator) and where a device holds its share, else it is added after."""
+    mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with ``in_buffer``
+    (a donated step's accumulator) and where a device holds its share, else adds it after."""
     check_trainable(params)
     dp = self.options.parallel
     if dp is None:
