@@ -17,16 +17,17 @@ from gradaccum_jax._checks import (
   check_trainable,
   is_inexact,
 )
+from gradaccum_jax._model_state import ModelStatePlan
 from gradaccum_jax._noise import NoiseSums, NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   Micro,
-  ModelStateUnit,
   Off,
   Sums,
   SumsUnit,
   is_running_mean,
   mean_of,
+  safe_mean,
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
 
@@ -34,19 +35,16 @@ from gradaccum_jax._sharding import over_mesh, to_varying
 def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any:
   """Micro-batch ``index`` of ``batch``: the rows ``index, index + k, index + 2k, ...``.
 
-  The strided choice keeps a batch that is sharded on its leading axis in
-  place: every micro-batch takes ``b / D`` rows from each of ``D`` devices, so
-  no row crosses devices. The reshape to ``(b, k, ...)`` is free (no copy);
-  only the ``b`` selected rows are gathered, one micro-batch at a time.
+  Strided, so a batch sharded on its leading axis stays in place: each micro-batch takes
+  ``B / (k D)`` rows from each of ``D`` devices, and only its rows are gathered.
 
   Args:
-    batch: a pytree of arrays whose leaves share a leading axis ``B``, a
-      multiple of ``k``.
+    batch: a pytree of arrays sharing a leading axis ``B``, a multiple of ``k``.
     index: which micro-batch, ``0 <= index < k`` (an int or a traced int).
     num_microbatches: ``k``.
 
   Returns:
-    The micro-batch: ``batch`` with every leaf's leading axis ``B / k``.
+    ``batch`` with every leaf's leading axis ``B / k``.
 
   Raises:
     IndexError: for a concrete ``index`` outside ``[0, k)``.
@@ -67,13 +65,6 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
     return jax.lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False)
 
   return jax.tree.map(take, batch)
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-  """Float leaves of ``tree`` cast to ``dtype`` (mixed precision); others unchanged."""
-  return jax.tree.map(
-    lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree
-  )
 
 
 class Carry(NamedTuple):
@@ -106,11 +97,6 @@ class Window(NamedTuple):
     return loss, aux
 
 
-def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
-  """``total / weight``, and 0 where the weight is 0."""
-  return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
   """The core: a loss function's window sums over the ``k`` micro-batches of a batch."""
@@ -121,29 +107,21 @@ class MicrobatchedGrad:
 
   def _objective(self, params, model_state, mb, key, scale):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
-    if self.options.compute_dtype is not None:
-      params = cast_floats(params, self.options.compute_dtype)
+    dtype = self.options.compute_dtype
+    if dtype is not None:  # mixed precision: float params cast, others unchanged
+      params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
+      )
     loss, aux, new_state = self.options.loss.call(params, model_state, mb, key)
     scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
     return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
 
   def sums(
-    self,
-    params: Any,
-    batch: Any,
-    rng: jax.Array | None,
-    acc_init: Any,
-    model_state: Any = None,
-    scale: jax.Array | None = None,
-    num_real: jax.Array | None = None,
-    in_buffer: bool = False,
+    self, params, batch, rng, acc_init, model_state=None, scale=None, num_real=None, in_buffer=False
   ) -> Window:
-    """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros, or sums in
-    float32 or wider: a narrower leaf keeps a running mean from zero); on a mesh if set.
-
-    The scan starts from ``acc_init``; on a mesh only with ``in_buffer`` (the donated step
-    scanning into the state's accumulator, in its buffer), and only where a device's
-    accumulator is its share of it, otherwise ``acc_init`` is added after the reduction."""
+    """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros for a running
+    mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with ``in_buffer``
+    (a donated step's accumulator) and where a device holds its share, else adds it after."""
     check_trainable(params)
     dp = self.options.parallel
     if dp is None:
@@ -161,23 +139,11 @@ class MicrobatchedGrad:
     )  # fmt: skip
 
   def local_sums(
-    self,
-    params,
-    batch,
-    rng,
-    acc_init,
-    model_state,
-    scale,
-    num_real,
-    vary=(),
-    per_micro=None,
+    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
   ):
-    """The scan on one device (inside ``shard_map`` with ``vary``: the manual data axes).
-
-    ``per_micro`` (``gather_params="per_microbatch"``, a ``_sharding.PerMicrobatch``): the
-    params are shards, gathered for each micro-batch, and the gradient sums are reduced into
-    a sharded accumulator (``acc_init`` shaped like the shards).
-    """
+    """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes); with
+    ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
+    micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
     k, opts = self.num_microbatches, self.options
     rows = check_batch(batch, k) // k
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
@@ -187,11 +153,9 @@ class MicrobatchedGrad:
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
     noise_unit = NoiseUnit(opts.weighting) if self.noise_sums else Off()
-    model_unit = (
-      ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
-      if opts.has_state
-      else Off()
-    )
+    model_unit = Off()
+    if opts.has_state:
+      model_unit = ModelStatePlan.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
 
     def one(i, start):
       mb = microbatch(batch, i, k)
@@ -202,34 +166,27 @@ class MicrobatchedGrad:
 
     like = jax.eval_shape(one, 0, model_state)
 
+    units = (sums_unit, noise_unit, model_unit)
+
     def body(c: Carry, i) -> tuple[Carry, None]:
       m = one(i, model_unit.start(c.model))
-      return Carry(
-        sums_unit.update(c.sums, m), noise_unit.update(c.noise, m), model_unit.update(c.model, m)
-      ), None
+      return Carry(*(unit.update(part, m) for unit, part in zip(units, c, strict=True))), None
 
     init = Carry(
       sums_unit.init(acc_init, like.loss, like.aux), noise_unit.init(), model_unit.init()
     )
     if vary:
       init = to_varying(init, vary)
+    num = k if num_real is None else num_real
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
-      num = k
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
-      num = num_real
     noise = c.noise
     if isinstance(noise, NoiseSums) and not opts.weighting.weighted:
       noise = noise._replace(examples=jnp.asarray(num * rows, jnp.float32))  # b rows each
-    return Window(
-      sums_unit.finish(c.sums, num),
-      noise,
-      model_unit.finish(c.model, num),
-      like.loss,
-      like.aux,
-      num,
-    )
+    sums, state = sums_unit.finish(c.sums, num), model_unit.finish(c.model, num)
+    return Window(sums, noise, state, like.loss, like.aux, num)
 
 
 def value_and_grad(
@@ -250,12 +207,10 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
-  The batch (leaves sharing a leading axis ``B``) is split into ``k`` micro-batches of
-  ``B / k`` rows (micro-batch ``i`` holds rows ``i, i + k, ...``, so a sharded batch never
-  moves); a ``lax.scan`` sums their weighted losses and gradients, holding one micro-batch's
-  activations: :math:`L = \sum_i w_i L_i / \sum_i w_i` and
-  :math:`G = \sum_i w_i \nabla L_i / \sum_i w_i` (``w_i`` 1, or ``weight_fn``: with a
-  token count, ``L`` is the batch's token mean). A weight-0 micro-batch adds nothing, even NaN.
+  A ``lax.scan`` over the ``k`` micro-batches of :func:`microbatch` sums their weighted losses
+  and gradients, holding one micro-batch's activations: :math:`L = \sum_i w_i L_i / \sum_i w_i`
+  and :math:`G = \sum_i w_i \nabla L_i / \sum_i w_i` (``w_i`` 1, or ``weight_fn``'s: with token
+  counts, ``L`` is the token mean). A weight-0 micro-batch adds nothing, even NaN.
 
   Args:
     loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss, or
@@ -297,23 +252,14 @@ def value_and_grad(
       " step of ga.train_step; pass 'once' or 'per_microbatch'."
     )
   opts = make_options(
-    "value_and_grad",
-    loss_fn,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    has_state=has_state,
-    batchnorm=batchnorm,
-    batchnorm_momentum=batchnorm_momentum,
-    compute_dtype=compute_dtype,
-    mesh=mesh,
-    data_axis=data_axis,
-    param_specs=param_specs,
-    gather_params=gather_params,
-  )
+    "value_and_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
+    batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
+    mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
+  )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
 
-  def compute(params, model_state, batch, rng, num_real):
-    num_real = check_real_microbatches(num_real, k)
+  def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
+    num_real = check_real_microbatches(num_real_microbatches, k)
     w = mg.sums(
       params, batch, rng, zeros_accumulator(params, accum_dtype), model_state, None, num_real
     )
@@ -323,14 +269,7 @@ def value_and_grad(
     loss, aux = w.means()
     return opts.loss.pack(loss, aux, w.model_state), grads
 
-  if has_state:
-
-    def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
-      return compute(params, model_state, batch, rng, num_real_microbatches)
-
-    return vg_state
-
   def vg(params, batch, rng=None, *, num_real_microbatches=None):
-    return compute(params, None, batch, rng, num_real_microbatches)
+    return vg_state(params, None, batch, rng, num_real_microbatches=num_real_microbatches)
 
-  return vg
+  return vg_state if has_state else vg

@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from gradaccum_jax._parts import Micro
+
 BATCHNORM_MODES = ("sequential", "per_window", "frozen")
-
-
-def check_batchnorm_mode(batchnorm: str) -> None:
-  """ValueError unless ``batchnorm`` is one of :data:`BATCHNORM_MODES`."""
-  if batchnorm not in BATCHNORM_MODES:
-    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
 
 
 def check_batchnorm(
   batchnorm: str, momentum: float | None, has_state: bool, *, from_model: bool = False
 ) -> None:
   """Checks the BatchNorm mode and momentum (``from_model``: read later from the model)."""
-  check_batchnorm_mode(batchnorm)
+  if batchnorm not in BATCHNORM_MODES:
+    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
   if momentum is not None:
     real = isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
     if not (real and 0.0 <= float(momentum) < 1.0):
@@ -35,54 +32,51 @@ def check_batchnorm(
       f"{batchnorm=} needs the model state: pass has_state=True and a loss_fn(params,"
       " model_state, microbatch) that returns the new model state."
     )
-  if batchnorm == "per_window" and not from_model:
-    if momentum is None:
-      raise ValueError(
-        f"batchnorm='per_window' needs batchnorm_momentum, the momentum m of the running"
-        f" averages (new = m * old + (1 - m) * batch statistic, 0 <= m < 1; flax's default is"
-        f" 0.99), got {momentum!r}."
-      )
+  if batchnorm == "per_window" and not from_model and momentum is None:
+    raise ValueError(
+      "batchnorm='per_window' needs batchnorm_momentum, the momentum m of the running"
+      " averages (new = m * old + (1 - m) * batch statistic, 0 <= m < 1; flax's default is"
+      f" 0.99), got {momentum!r}."
+    )
 
 
-def _key_name(entry: Any) -> Any:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return getattr(entry, attr)
-  return entry
+def _paths(model_state: Any) -> list[tuple[Any, ...]]:
+  """Each leaf's path as a tuple of its dict keys, attribute names and indices."""
+  return [
+    tuple(next((getattr(e, a) for a in ("key", "name", "idx") if hasattr(e, a)), e) for e in p)
+    for p, _ in jax.tree_util.tree_leaves_with_path(model_state)
+  ]
 
 
 def batchnorm_leaves(model_state: Any) -> list[str | None]:
-  """For each leaf: ``"mean"``/``"var"`` for BatchNorm running statistics, else None.
+  """For each leaf: ``"mean"``/``"var"`` for BatchNorm running statistics, else None: a pair of
+  leaves named ``mean`` and ``var`` with the same parent, as in flax (Linen and NNX)."""
+  paths = _paths(model_state)
+  present, other = set(paths), {"mean": "var", "var": "mean"}
+  return [
+    p[-1] if p and p[-1] in other and p[:-1] + (other[p[-1]],) in present else None for p in paths
+  ]
 
-  A BatchNorm's statistics are a pair of leaves named ``mean`` and ``var`` with the same
-  parent, as in flax (Linen ``batch_stats`` and NNX ``BatchNorm``).
-  """
-  paths = [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_leaves_with_path(model_state)]
-  present = set(paths)
-  kinds = []
-  for path in paths:
-    name = path[-1] if path else None
-    other = {"mean": "var", "var": "mean"}.get(name) if isinstance(name, str) else None
-    kinds.append(name if other and path[:-1] + (other,) in present else None)
-  return kinds
+
+class ModelCarry(NamedTuple):
+  state: Any  # the model state after the last micro-batch
+  stats: Any  # per_window: the running sums of the BatchNorm statistics
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelStatePlan:
-  """How the model state flows through the micro-batches of one window.
+  """The scan's unit for the model state: how it flows through the micro-batches of a window.
 
-  ``sequential``: threaded through the micro-batches (k running-average updates per
-  window: ghost batch norm). ``frozen``: the BatchNorm statistics are the same for
-  every micro-batch and left unchanged; other leaves are threaded. ``per_window``: every
-  micro-batch starts from the window's BatchNorm statistics, and the running averages
-  are updated once with the pooled statistics of the whole window; other leaves are
-  threaded.
-  """
+  ``sequential``: threaded through them (k running-average updates: ghost batch norm).
+  ``frozen``: the BatchNorm statistics are the same for every micro-batch and left unchanged.
+  ``per_window``: every micro-batch starts from the window's statistics, and the running
+  averages are updated once with the window's pooled statistics. Other leaves are threaded."""
 
   mode: str
   momentum: float | None
   kinds: tuple[str | None, ...]
   var_to_mean: tuple[int | None, ...]
+  initial: Any  # the model state the window starts from
 
   @classmethod
   def make(cls, model_state: Any, mode: str, momentum: float | None) -> ModelStatePlan:
@@ -93,63 +87,56 @@ class ModelStatePlan:
         f" named 'mean' and 'var', e.g. flax's 'batch_stats' collection). Structure:"
         f" {jax.tree.structure(model_state)}. Use batchnorm='sequential' for other state."
       )
-    paths = [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_leaves_with_path(model_state)]
+    paths = _paths(model_state)
     index = {p: i for i, p in enumerate(paths)}
     var_to_mean = tuple(
-      index[paths[i][:-1] + ("mean",)] if kind == "var" else None for i, kind in enumerate(kinds)
+      index[p[:-1] + ("mean",)] if kind == "var" else None
+      for p, kind in zip(paths, kinds, strict=True)
     )
-    return cls(mode, momentum, kinds, var_to_mean)
+    return cls(mode, momentum, kinds, var_to_mean, model_state)
 
-  def _is_bn(self, i: int) -> bool:
-    return self.mode != "sequential" and self.kinds[i] is not None
-
-  def for_microbatch(self, carried: Any, initial: Any) -> Any:
-    """The state micro-batch i starts from."""
-    if self.mode == "sequential":
-      return carried
-    c, treedef = jax.tree.flatten(carried)
-    s = jax.tree.leaves(initial)
-    return treedef.unflatten([s[i] if self._is_bn(i) else c[i] for i in range(len(c))])
-
-  def stats0(self, initial: Any) -> Any:
-    """Running sums for per_window: (sum of new values, sum of squared mean shifts)."""
+  def init(self) -> ModelCarry:
+    """per_window's stats: (sum of new values, sum of squared shifts) per BatchNorm leaf."""
     if self.mode != "per_window":
-      return None
-    leaves = jax.tree.leaves(initial)
-    return [
-      (jnp.zeros(jnp.shape(x), jnp.float32), jnp.zeros(jnp.shape(x), jnp.float32))
-      if self.kinds[i]
-      else None
-      for i, x in enumerate(leaves)
+      return ModelCarry(self.initial, None)
+    stats = [
+      (jnp.zeros(jnp.shape(x), jnp.float32),) * 2 if kind else None
+      for kind, x in zip(self.kinds, jax.tree.leaves(self.initial), strict=True)
     ]
+    return ModelCarry(self.initial, stats)
 
-  def add(self, stats: Any, new: Any, initial: Any) -> Any:
-    if self.mode != "per_window":
-      return None
-    n, s = jax.tree.leaves(new), jax.tree.leaves(initial)
-    out = []
-    for i, st in enumerate(stats):
-      if st is None:
-        out.append(None)
-        continue
-      x = n[i].astype(jnp.float32)
-      shift = x - s[i].astype(jnp.float32)
-      out.append((st[0] + x, st[1] + shift * shift))
-    return out
-
-  def finish(self, carried: Any, stats: Any, initial: Any, num_microbatches: int) -> Any:
-    """The model state after the window."""
+  def start(self, c: ModelCarry) -> Any:
+    """The state the next micro-batch starts from (also the frozen mode's state after it)."""
     if self.mode == "sequential":
-      return carried
-    c, treedef = jax.tree.flatten(carried)
-    s = jax.tree.leaves(initial)
-    out = list(c)
-    k = jnp.asarray(num_microbatches, jnp.float32)
+      return c.state
+    leaves, treedef = jax.tree.flatten(c.state)
+    s = jax.tree.leaves(self.initial)
+    return treedef.unflatten(
+      [x0 if kind else x for x, x0, kind in zip(leaves, s, self.kinds, strict=True)]
+    )
+
+  def update(self, c: ModelCarry, m: Micro) -> ModelCarry:
+    if self.mode != "per_window":
+      return ModelCarry(m.model_state, None)
+
+    def one(st, x, x0):
+      x = x.astype(jnp.float32)
+      shift = x - x0.astype(jnp.float32)
+      return st[0] + x, st[1] + shift * shift
+
+    n, s = jax.tree.leaves(m.model_state), jax.tree.leaves(self.initial)
+    stats = [None if st is None else one(st, n[i], s[i]) for i, st in enumerate(c.stats)]
+    return ModelCarry(m.model_state, stats)
+
+  def finish(self, c: ModelCarry, num: Any) -> Any:
+    """The model state after the window of ``num`` micro-batches."""
+    if self.mode != "per_window":
+      return self.start(c)
+    out, treedef = jax.tree.flatten(c.state)
+    s, stats = jax.tree.leaves(self.initial), c.stats
+    k = jnp.asarray(num, jnp.float32)
     for i, kind in enumerate(self.kinds):
       if kind is None:
-        continue
-      if self.mode == "frozen":
-        out[i] = s[i]
         continue
       mean_new = stats[i][0] / k
       if kind == "var":

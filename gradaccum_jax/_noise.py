@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._parts import Micro, Weighting, mean_of, sq_norm
+from gradaccum_jax._parts import Micro, Weighting, mean_of, safe_mean, sq_norm
 
 
 class NoiseScaleState(NamedTuple):
@@ -20,12 +20,11 @@ class NoiseScaleState(NamedTuple):
   :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)`; :func:`noise_scale` is the ratio of their EMAs.
 
   Attributes:
-    g2_ema: EMA of the estimates of :math:`|G|^2`, started at 0 (float32; divide by
-      ``1 - decay ** count`` for the bias-corrected value, which cancels in the ratio).
-    trace_ema: EMA of the estimates of :math:`\mathrm{tr}(\Sigma)`, started at 0 (float32).
+    g2_ema: EMA of the estimates of :math:`|G|^2` from 0 (float32; the bias correction
+      ``1 - decay ** count`` cancels in the ratio).
+    trace_ema: EMA of the estimates of :math:`\mathrm{tr}(\Sigma)` from 0 (float32).
     count: windows averaged into the EMAs (int32).
-    sq_sum: :math:`\sum_i w_i |g_i|^2` over the open window's micro-batches, as they were
-      differentiated (times the loss scale squared) (float32).
+    sq_sum: :math:`\sum_i w_i |g_i|^2` over the open window, times the loss scale squared.
     num: micro-batches of positive weight in the open window (per-device ones on a mesh).
     examples: examples in the open window: the summed weights, or ``k * b`` unweighted.
   """
@@ -62,26 +61,19 @@ def with_sums(ns: NoiseScaleState | None, sums: NoiseSums | tuple[()]) -> Any:
 
 
 def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> Any:
-  """``sums`` (a :class:`NoiseSums` or :class:`NoiseScaleState`) after one micro-batch of
-  squared gradient norm ``sq``: of weight ``w`` (counting its examples), or unweighted
-  (``w=None``: it holds ``examples``)."""
+  """``sums`` (:class:`NoiseSums` or :class:`NoiseScaleState`) after a micro-batch of squared
+  gradient norm ``sq`` and weight ``w`` (its examples), or unweighted (``None``: ``examples``)."""
   if w is None:
-    return sums._replace(
-      sq_sum=sums.sq_sum + sq, num=sums.num + 1.0, examples=sums.examples + examples
-    )
+    return add_window(sums, NoiseSums(sq, 1.0, examples))
   pos = w > 0
-  return sums._replace(
-    sq_sum=sums.sq_sum + jnp.where(pos, w * sq, 0.0),
-    num=sums.num + pos.astype(jnp.float32),
-    examples=sums.examples + jnp.where(pos, w, 0.0),
-  )
+  more = NoiseSums(jnp.where(pos, w * sq, 0.0), pos.astype(jnp.float32), jnp.where(pos, w, 0.0))
+  return add_window(sums, more)
 
 
-def add_window(ns: NoiseScaleState, sums: NoiseSums) -> NoiseScaleState:
-  """The open window's sums with a fused window's added."""
-  return ns._replace(
-    sq_sum=ns.sq_sum + sums.sq_sum, num=ns.num + sums.num, examples=ns.examples + sums.examples
-  )
+def add_window(ns: Any, sums: NoiseSums) -> Any:
+  """``ns`` (:class:`NoiseSums` or :class:`NoiseScaleState`) with ``sums`` added to its open
+  window's."""
+  return with_sums(ns, jax.tree.map(jnp.add, open_sums(ns), sums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +82,7 @@ class NoiseUnit:
 
   weighting: Weighting
 
-  def init(self, *args: Any) -> NoiseSums:
+  def init(self) -> NoiseSums:
     return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
 
   def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
@@ -104,10 +96,9 @@ def estimates(
   :math:`(n |\bar g|^2 - A) / (n - 1)` and :math:`N (A - |\bar g|^2) / (n - 1)`, with
   :math:`A = \sum_i w_i |g_i|^2 / W`; NaN when ``n < 2`` or the window is empty."""
   valid = (ns.num > 1.5) & (acc_weight > 0)
-  weight = jnp.where(acc_weight > 0, acc_weight, 1.0)
   scale2 = 1.0 if scale is None else scale**2
   gbar2 = sq_norm(mean_of(acc_grads, acc_weight)) / scale2  # the sums are of scaled gradients
-  mean_sq = ns.sq_sum / weight / scale2
+  mean_sq = safe_mean(ns.sq_sum, acc_weight) / scale2
   n1 = jnp.where(valid, ns.num - 1.0, 1.0)
   g2 = (ns.num * gbar2 - mean_sq) / n1
   trace = ns.examples * (mean_sq - gbar2) / n1
@@ -131,10 +122,10 @@ def after_window(
 def noise_scale(state: Any) -> jax.Array:
   r"""The simple gradient noise scale :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
 
-  The ratio of the moving averages in ``state.noise_scale``, in examples (or whatever the
-  weights count; micro-batches for unweighted streaming calls): the batch size at which the
-  gradient noise equals the signal. NaN before the first estimated window, and noisy while
-  the EMAs hold few windows. See docs/noise_scale.md.
+  The ratio of the EMAs in ``state.noise_scale``, in examples (what the weights count;
+  micro-batches for unweighted streaming calls): the batch size at which the gradient noise
+  equals the signal. NaN before the first estimated window; noisy while the EMAs hold few
+  windows. See docs/noise_scale.md.
 
   Args:
     state: the state of ``ga.accumulate(..., noise_scale_ema=decay)`` (any mode's).
@@ -167,12 +158,3 @@ def noise_scale(state: Any) -> jax.Array:
       " ga.accumulate(inner, k, noise_scale_ema=0.99)."
     )
   return ns.trace_ema / ns.g2_ema
-
-
-def window_metrics(
-  ns: NoiseScaleState, new: NoiseScaleState, acc_grads: Any, weight: jax.Array, scale: Any
-) -> dict[str, jax.Array]:
-  """A fused window's noise metrics: the new ratio and the window's own estimates."""
-  g2, trace = estimates(acc_grads, weight, ns, scale)
-  ratio = new.trace_ema / new.g2_ema
-  return {"noise_scale": ratio, "grad_sq_norm_est": g2, "trace_sigma_est": trace}

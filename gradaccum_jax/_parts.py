@@ -1,11 +1,7 @@
 """The parts of a window's sums: one small unit per feature, composed by the micro-batch scan.
 
-Like the accumulators of ``optax.microbatching``, each unit has an ``init`` (its part of the
-scan carry), an ``update`` (add one micro-batch), and a way to be reduced over devices; the
-scan (``_microbatch.py``) only strings them together, so a feature is one unit here and one
-switch where the core is built. A feature that is off is the :class:`Off` unit, whose carry is
-an empty tuple.
-"""
+As in ``optax.microbatching``, a unit has an ``init`` (its part of the carry) and an ``update``
+(add one micro-batch); a feature that is off is the :class:`Off` unit, whose carry is ``()``."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import check_weight, is_inexact
-from gradaccum_jax._model_state import ModelStatePlan
 
 
 class Micro(NamedTuple):
@@ -41,19 +36,13 @@ class Sums(NamedTuple):
 
 def sum_dtype(like: Any) -> Any:
   """The dtype a sum of ``like`` values is kept in: float32 or wider, int32 or wider."""
-  dtype = jnp.result_type(like)
-  if is_inexact(like):
-    return jnp.promote_types(dtype, jnp.float32)
-  return jnp.promote_types(dtype, jnp.int32)
+  floor = jnp.float32 if is_inexact(like) else jnp.int32
+  return jnp.promote_types(jnp.result_type(like), floor)
 
 
 def is_running_mean(acc: Any) -> bool:
-  """Whether an accumulator leaf keeps the running weighted mean instead of the sum.
-
-  Float leaves narrower than float32 (float16, bfloat16): their sum of ``k`` gradients (or a
-  large weight times a gradient) can overflow although the mean fits, so they keep
-  ``sum_i w_i g_i / sum_i w_i``, updated in float32, as ``optax.MultiSteps`` does.
-  """
+  """Whether an accumulator leaf keeps the running weighted mean (updated in float32, as in
+  ``optax.MultiSteps``) instead of the sum: a float narrower than float32 (its sum overflows)."""
   dtype = jnp.result_type(acc)
   return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
@@ -63,43 +52,38 @@ def keeps_running_means(acc: Any) -> bool:
   return any(map(is_running_mean, jax.tree.leaves(acc)))
 
 
+def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
+  """``total / weight``, and 0 where the weight is 0."""
+  return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
+
+
+def _toward(mean: jax.Array, x: Any, frac: jax.Array) -> jax.Array:
+  """The running mean ``mean`` moved the fraction ``frac`` of the way to ``x``, in float32."""
+  m = mean.astype(jnp.float32)
+  return (m + frac * (jnp.asarray(x).astype(jnp.float32) - m)).astype(mean.dtype)
+
+
 def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
   """``acc`` after one more micro-batch ``grads`` of weight ``w``, with ``weight`` the total
   weight before it: sums for float32-or-wider leaves, running means for narrower ones."""
-
-  def one(a, g):
-    if not is_running_mean(a):
-      return wt.add(a, g, w)
-    new = weight + wt.total(w)
-    frac = jnp.where((w > 0) & (new > 0), w / jnp.where(new > 0, new, 1.0), 0.0)
-    step = frac * (jnp.asarray(g).astype(jnp.float32) - a.astype(jnp.float32))
-    return (a.astype(jnp.float32) + step).astype(a.dtype)
-
-  return jax.tree.map(one, acc, grads)
+  frac = jnp.where(w > 0, safe_mean(w, weight + wt.total(w)), 0.0)
+  return jax.tree.map(
+    lambda a, g: _toward(a, g, frac) if is_running_mean(a) else wt.add(a, g, w), acc, grads
+  )
 
 
 def merge_gradients(acc: Any, weight: jax.Array, more: Any, more_weight: jax.Array) -> Any:
   """Two accumulators of total weights ``weight`` and ``more_weight`` as one."""
-
-  def one(a, b):
-    if not is_running_mean(a):
-      return a + b.astype(a.dtype)
-    total = weight + more_weight
-    frac = jnp.where(total > 0, more_weight / jnp.where(total > 0, total, 1.0), 0.0)
-    return (a.astype(jnp.float32) + frac * (b.astype(jnp.float32) - a.astype(jnp.float32))).astype(
-      a.dtype
-    )
-
-  return jax.tree.map(one, acc, more)
+  frac = safe_mean(more_weight, weight + more_weight)
+  return jax.tree.map(
+    lambda a, b: _toward(a, b, frac) if is_running_mean(a) else a + b.astype(a.dtype), acc, more
+  )
 
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
   """The mean gradient of an accumulator (in float32 or wider), divided by the loss ``scale``
-  if given; 0 for a zero total weight (a zero accumulator: weights <= 0 add nothing).
-
-  A multiplication by one scalar per leaf, which XLA fuses into the reduction of a norm (a
-  division with a select would be written out first).
-  """
+  if given; 0 for a zero total weight. One multiplication per leaf, which XLA fuses into a norm
+  (a division with a select would be written out first)."""
   ok = weight > 0
 
   def one(a):
@@ -117,10 +101,8 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
 def sq_norm(tree: Any, by_rows: bool = False) -> jax.Array:
   """The squared global norm of ``tree``, in float32 (``|z|^2`` for complex leaves).
 
-  ``by_rows``: each matrix summed by rows first, then the rows. XLA:CPU runs a reduction to a
-  scalar on one thread and a row reduction on all (docs/benchmarks.md, "The window's norm");
-  not for arrays sharded over a mesh, where a matrix sharded over its last axis would then
-  all-reduce its row sums instead of one scalar."""
+  ``by_rows``: each matrix summed by rows first (faster on XLA:CPU; not for arrays on a mesh:
+  docs/architecture.md, "Closing a window")."""
   total = jnp.float32(0)
   for x in jax.tree.leaves(tree):
     x = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
@@ -133,11 +115,8 @@ def sq_norm(tree: Any, by_rows: bool = False) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Weighting:
-  """How micro-batches are weighed: equally (``fn=None``), or by ``fn(microbatch)``.
-
-  The only place that knows whether there are weights: unweighted, nothing is multiplied or
-  selected and the total is the number of micro-batches.
-  """
+  """How micro-batches are weighed: equally (``fn=None``), or by ``fn(microbatch)``; the only
+  place that knows (unweighted, nothing is multiplied or selected)."""
 
   fn: Callable[[Any], Any] | None
 
@@ -151,46 +130,32 @@ class Weighting:
     return check_weight(self.fn(microbatch), "the value of weight_fn(microbatch)")
 
   def add(self, acc: Any, tree: Any, w: jax.Array) -> Any:
-    """``acc + w * tree`` leafwise in ``acc``'s dtypes; a weight <= 0 (or NaN) adds exactly 0.
+    """``acc + w * tree`` leafwise in ``acc``'s dtypes (``acc + tree`` for integer ``acc``
+    leaves); a weight <= 0 (or NaN) adds exactly 0, by a select, even a NaN value (0/0 loss)."""
 
-    The guard is a select, so a micro-batch of weight 0 whose values are NaN (a 0/0 mean loss)
-    contributes nothing.
-    """
-    if not self.weighted:
-      return jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), acc, tree)
-    return jax.tree.map(
-      lambda a, x: a + jnp.where(w > 0, jnp.asarray(x).astype(a.dtype) * w.astype(a.dtype), 0),
-      acc,
-      tree,
-    )
+    def one(a, x):
+      x = jnp.asarray(x)
+      if not self.weighted:
+        return a + x.astype(a.dtype)
+      if is_inexact(a):
+        x = x.astype(a.dtype) * w.astype(a.dtype)
+      return a + jnp.where(w > 0, x, 0).astype(a.dtype)
 
-  def count(self, acc: Any, tree: Any, w: jax.Array) -> Any:
-    """``acc + tree`` leafwise for the micro-batches of positive weight (integer aux)."""
-    if not self.weighted:
-      return jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), acc, tree)
-    return jax.tree.map(
-      lambda a, x: a + jnp.where(w > 0, jnp.asarray(x), 0).astype(a.dtype), acc, tree
-    )
+    return jax.tree.map(one, acc, tree)
 
   def total(self, w: jax.Array) -> jax.Array:
-    """What a micro-batch adds to the total weight: ``w``, 0 for ``w <= 0``; NaN stays NaN.
-
-    A NaN or infinite weight makes the window's total non-finite, which voids the window.
-    """
+    """What a micro-batch adds to the total weight: ``w``, 0 for ``w <= 0``; NaN stays NaN
+    (a non-finite total voids the window)."""
     return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
 
   def seed_factor(self, devices: int) -> int:
-    """What sums already made (an open window's) are multiplied by when one device adds them
-    into its share of the sums: unweighted, :meth:`per_device` divides the total by
-    ``devices`` (exact for a power of two), weighted nothing."""
+    """What an open window's sums are multiplied by when one device adds them into its share:
+    unweighted ``devices``, as :meth:`per_device` divides by it (exact for a power of two)."""
     return 1 if self.weighted else devices
 
   def per_device(self, sums: Sums, noise: Any, devices: int, num: int) -> tuple[Sums, Any]:
-    """After the sum over devices: unweighted, a device's micro-batch weighs ``1 / devices``.
-
-    So global micro-batch ``i`` (the ``devices`` per-device micro-batches ``i``) weighs 1, as
-    on one device, and the total weight is ``num``.
-    """
+    """After the sum over devices: unweighted, a device's micro-batch weighs ``1 / devices``,
+    so global micro-batch ``i`` weighs 1, as on one device, and the total weight is ``num``."""
     if self.weighted:
       return sums, noise
     scale = lambda tree: jax.tree.map(lambda x: x / devices if is_inexact(x) else x, tree)  # noqa: E731
@@ -208,23 +173,18 @@ class SumsUnit:
 
   def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
     zeros = lambda s: jnp.zeros(jnp.shape(s), sum_dtype(s))  # noqa: E731
-    return Sums(
-      acc_init, jnp.zeros((), jnp.float32), zeros(loss_like), jax.tree.map(zeros, aux_like)
-    )
+    aux = jax.tree.map(zeros, aux_like)
+    return Sums(acc_init, jnp.zeros((), jnp.float32), zeros(loss_like), aux)
 
   def update(self, s: Sums, m: Micro) -> Sums:
     w, wt = m.weight, self.weighting
-    aux = jax.tree.map(
-      lambda a, x: wt.add(a, x, w) if is_inexact(a) else wt.count(a, x, w), s.aux, m.aux
-    )
     grads = add_gradients(s.grads, m.grads, w, s.weight, wt)
     weight = s.weight if self.counted_after(s) else s.weight + wt.total(w)
-    return Sums(grads, weight, wt.add(s.loss, m.loss, w), aux)
+    return Sums(grads, weight, wt.add(s.loss, m.loss, w), wt.add(s.aux, m.aux, w))
 
   def counted_after(self, s: Sums) -> bool:
-    """Whether the total weight is added after the loop (:meth:`finish`), not in it: unweighted
-    it is the number of micro-batches, unless a running mean needs it as it goes. One
-    operation less per micro-batch, which an accelerator launches as a kernel of its own."""
+    """Whether the total weight (unweighted: the number of micro-batches) is added after the
+    loop, in :meth:`finish`, saving a kernel per micro-batch; not when a running mean needs it."""
     return not self.weighting.weighted and not keeps_running_means(s.grads)
 
   def finish(self, s: Sums, num: Any) -> Sums:
@@ -250,37 +210,7 @@ class Off:
     return None
 
 
-class ModelCarry(NamedTuple):
-  state: Any  # the model state after the last micro-batch
-  stats: Any  # per_window: the running sums of the BatchNorm statistics
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelStateUnit:
-  """The model state through the micro-batches, as the BatchNorm mode says."""
-
-  plan: ModelStatePlan
-  initial: Any
-
-  @classmethod
-  def make(cls, initial: Any, mode: str, momentum: float | None) -> ModelStateUnit:
-    return cls(ModelStatePlan.make(initial, mode, momentum), initial)
-
-  def init(self, *args: Any) -> ModelCarry:
-    return ModelCarry(self.initial, self.plan.stats0(self.initial))
-
-  def start(self, c: ModelCarry) -> Any:
-    """The state the next micro-batch starts from."""
-    return self.plan.for_microbatch(c.state, self.initial)
-
-  def update(self, c: ModelCarry, m: Micro) -> ModelCarry:
-    return ModelCarry(m.model_state, self.plan.add(c.stats, m.model_state, self.initial))
-
-  def finish(self, c: ModelCarry, num: Any) -> Any:
-    return self.plan.finish(c.state, c.stats, self.initial, num)
-
-
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:
-  """The model state after a window: ``new``, but for a voided window (``updated`` False) its
-  float leaves (running statistics) as ``old`` holds them; counters advance either way."""
+  """``new``, but for a voided window (``updated`` False) its float leaves (running statistics)
+  as ``old`` holds them; counters advance either way."""
   return jax.tree.map(lambda n, o: jnp.where(updated, n, o) if is_inexact(n) else n, new, old)

@@ -19,8 +19,7 @@ from gradaccum_jax._accumulate import (
 from gradaccum_jax._checks import check_real_microbatches, check_same_structure
 from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._noise import NoiseSums, add_window
-from gradaccum_jax._noise import window_metrics as noise_metrics
+from gradaccum_jax._noise import NoiseSums, add_window, estimates, noise_scale
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import keep_if_voided, keeps_running_means, merge_gradients
 from gradaccum_jax._sharding import place_params
@@ -47,17 +46,14 @@ def train_step(
   r"""A jitted step that accumulates a whole window and updates the params once.
 
   ``step(params, state, batch, rng=None)`` splits ``batch`` into the ``k`` micro-batches of
-  ``tx = ga.accumulate(inner, k)`` (micro-batch ``i`` holds rows ``i, i + k, ...``), scans
-  their weighted gradients into ``state``'s fp32 accumulator and closes the window as the
-  ``k``-th ``tx.update`` would: one ``inner`` update on
-  :math:`G = \sum_i w_i g_i / \sum_i w_i`, in one XLA program that holds one micro-batch's
-  activations. ``state`` is ``tx.init(params)`` (any mode's). Meshes: docs/data_parallel.md.
+  ``tx = ga.accumulate(inner, k)`` (rows ``i, i + k, ...``), scans their weighted gradients into
+  ``state``'s fp32 accumulator and closes the window as the ``k``-th ``tx.update`` would: one
+  ``inner`` update on :math:`G = \sum_i w_i g_i / \sum_i w_i`, in one XLA program holding one
+  micro-batch's activations; ``state`` may be any mode's. Meshes: docs/data_parallel.md.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss
-      (``(loss, aux)`` with ``has_aux``; with ``has_state``, ``loss_fn(params, model_state,
-      microbatch[, rng]) -> (loss, new_model_state)`` and the step takes and returns
-      ``model_state`` after ``params``).
+    loss_fn, has_aux, has_state: as in :func:`value_and_grad`; with ``has_state`` the step
+      takes and returns ``model_state`` after ``params``.
     tx: made by :func:`accumulate` with an int ``num_microbatches``.
     weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens).
     donate, jit: donate ``params`` and ``state``; return the step jitted (default).
@@ -66,10 +62,9 @@ def train_step(
       ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
 
   Returns:
-    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params,
-    state, metrics)`` with ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"`` (and
-    ``"aux"``, noise-scale estimates); ``num_real_microbatches=m`` uses micro-batches
-    ``0..m-1`` only (docs/usage.md).
+    ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,
+    metrics)`` with ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"`` (and ``"aux"``,
+    noise-scale estimates); ``num_real_microbatches=m`` uses micro-batches 0..m-1 (docs/usage.md).
 
   Raises:
     TypeError, ValueError: for a bad ``tx``, mesh, batch size, ``state`` or ``param_specs``.
@@ -87,62 +82,47 @@ def train_step(
   acc = as_accumulate(tx)
   k = acc.fixed_num_microbatches("train_step")
   opts = make_options(
-    "train_step",
-    loss_fn,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    has_state=has_state,
-    batchnorm=batchnorm,
-    batchnorm_momentum=batchnorm_momentum,
-    compute_dtype=compute_dtype,
-    mesh=mesh,
-    data_axis=data_axis,
-    param_specs=param_specs,
-    gather_params=gather_params,
+    "train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
+    batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
+    mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes,
-  )
+  )  # fmt: skip
+
+  def build(o: Options, jit: bool = True):
+    fused = fused_step(o, acc, in_place=donate and jit)
+    return wrap_step(fused, has_state=o.has_state, donate=donate, jit=jit, k=lambda args: k)
+
   if gather_params == "auto":
-
-    def build(g):
-      fused = fused_step(opts.with_gather(g), acc, in_place=donate)
-      return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=True, k=lambda a: k)
-
-    return auto_gather(build, opts.parallel.budget, jit, "train_step")
-  fused = fused_step(opts, acc, in_place=donate and jit)
-  return wrap_step(fused, has_state=opts.has_state, donate=donate, jit=jit, k=lambda args: k)
+    return auto_gather(
+      lambda g: build(opts.with_gather(g)), opts.parallel.budget, jit, "train_step"
+    )
+  return build(opts, jit)
 
 
 def wrap_step(
   fused: Callable[..., Any], *, has_state: bool, donate: bool, jit: bool, k: Callable[..., int]
 ):
   """The public signature around ``fused``: with or without model state, jitted or not."""
+
+  def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
+    return fused(params, model_state, state, batch, rng, num_real_microbatches)
+
+  def step(params, state, batch, rng=None, *, num_real_microbatches=None):
+    params, _, state, metrics = fused(params, None, state, batch, rng, num_real_microbatches)
+    return params, state, metrics
+
   if has_state:
-
-    def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
-      return fused(params, model_state, state, batch, rng, num_real_microbatches)
-
-    step, donate_argnums = step_with_state, (0, 1, 2)
-  else:
-
-    def step(params, state, batch, rng=None, *, num_real_microbatches=None):
-      new_params, _, new_state, metrics = fused(
-        params, None, state, batch, rng, num_real_microbatches
-      )
-      return new_params, new_state, metrics
-
-    donate_argnums = (0, 1)
+    step = step_with_state
   if not jit:
     return step
-  return JitStep(jax.jit(step, donate_argnums=donate_argnums if donate else ()), k)
+  donated = tuple(range(3 if has_state else 2)) if donate else ()
+  return JitStep(jax.jit(step, donate_argnums=donated), k)
 
 
 class JitStep:
-  """A jitted step that checks ``num_real_microbatches`` before the call and passes it as an
-  int32 array, so Python ints and arrays of every value share one compiled program.
-
-  Everything else (``lower``, ``trace``, ...) is the jitted function's. ``calls_compiled``:
-  a program compiled from ``lower`` runs on the same arguments (not so for ``nnx.jit``).
-  """
+  """A jitted step that checks ``num_real_microbatches`` and passes it as int32, so ints and
+  arrays of every value share one program; the rest (``lower``, ...) is the jitted function's.
+  ``calls_compiled``: a program compiled from ``lower`` runs on the same arguments (no nnx.jit)."""
 
   def __init__(self, jitted: Callable[..., Any], k: Callable[..., int], calls_compiled=True):
     self._jitted, self._k, self.calls_compiled = jitted, k, calls_compiled
@@ -162,10 +142,7 @@ class JitStep:
 
 def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callable[..., Any]:
   """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
-  metrics)``: one window, scanned and closed; the core every fused front end calls.
-
-  ``in_place``: the params and state are donated to the step (see ``_Accumulator.close``).
-  """
+  metrics)``: one window, scanned and closed; ``in_place``: params and state are donated."""
   acc = tx.settings
   k = tx.fixed_num_microbatches("train_step")
   mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
@@ -176,9 +153,8 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     check_same_structure(params, state.acc_grads, "params")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    # The scan adds onto the state's accumulator (zeros, or a window left open by streaming
-    # calls): donated, in that buffer, so a window holds one accumulator; undonated, XLA copies
-    # it into the loop's carry, as it would write zeros. A running mean restarts from zero.
+    # The scan adds onto the state's accumulator (zeros, or a streaming window's sums), in its
+    # buffer when donated, so a window holds one accumulator. A running mean restarts from 0.
     seeded = not keeps_running_means(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
     window = mg.sums(params, batch, rng, init, model_state, scale, num_real, in_buffer=seeded)
@@ -196,15 +172,19 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
       acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place,
       norm_by_rows=dp is None,
     )  # fmt: skip
-    if cleared is not None:
-      new_state = new_state._replace(acc_grads=cleared)
+    cleared = new_state.acc_grads if cleared is None else cleared
+    new_state = new_state._replace(acc_grads=place_params(dp, cleared))
     new_params = place_params(dp, new_params)
-    if dp is not None:
-      new_state = new_state._replace(acc_grads=place_params(dp, new_state.acc_grads))
-    new_model_state = None
-    if opts.has_state:  # a voided window restores float state (statistics); counters advance
-      new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
-    metrics = window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts)
+    # A voided window restores float model state (statistics), counters advance; None stays None.
+    new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
+    metrics = dict(loss=loss, grad_norm=grad_norm, weight=sums.weight, updated=new_state.updated)
+    if opts.loss.has_aux:
+      metrics["aux"] = aux
+    if scale is not None:
+      metrics["loss_scale"] = scale
+    if isinstance(window.noise, NoiseSums):  # the new ratio and this window's estimates
+      g2, trace = estimates(acc_grads, weight, state.noise_scale, scale)
+      metrics.update(noise_scale=noise_scale(new_state), grad_sq_norm_est=g2, trace_sigma_est=trace)
     return new_params, new_model_state, new_state, metrics
 
   return fused
@@ -213,16 +193,9 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
 def merge_open_window(
   state: AccumulateState, grads: Any, weight: jax.Array, in_place: bool
 ) -> tuple[Any, Any]:
-  """``(the window's gradient sums, the accumulator for the new state)``: ``grads`` (of total
-  weight ``weight``) with the sums of a window left open by streaming calls added, and zeros.
-
-  ``in_place`` (the state donated): the state's accumulator is only read and cleared when a
-  window is open (``state.micro_step > 0``); otherwise it holds zeros (every window that
-  closes clears it) and passes through a loop of 0 trips untouched, where reading it and
-  writing the new zeros over it made XLA copy it first. Without donation the output is a new
-  buffer anyway, and a loop would hold a copy of the accumulator.
-  """
-
+  """``(grads plus the sums of a window left open by streaming calls, the new accumulator's
+  zeros)``. ``in_place`` (donated): merged in a loop of 0 or 1 trips that runs only when a
+  window is open; otherwise the accumulator holds zeros and passes through (XLA copies nothing)."""
   if not in_place:
     merged = merge_gradients(state.acc_grads, state.acc_weight, grads, weight)
     return merged, jax.tree.map(jnp.zeros_like, state.acc_grads)
@@ -231,30 +204,8 @@ def merge_open_window(
   def merge(carry):
     grads, acc = carry
     merged = merge_gradients(acc, state.acc_weight, grads, weight)
-    # The zeros are a select on ``merged`` that XLA cannot fold (``is_open`` holds whenever
-    # this runs), so the write over ``acc`` follows the merge's read of it. With plain zeros
-    # XLA copied the accumulator first, and the copies' buffers, though the loop seldom runs,
-    # took temp memory and slowed the micro-batch loop (tests/test_program.py).
+    # A select XLA cannot fold (``is_open`` holds here), so the zeros are written over ``acc``
+    # after the merge reads it; plain zeros made XLA copy it first (tests/test_program.py).
     return merged, jax.tree.map(lambda m: jnp.where(is_open, jnp.zeros_like(m), m), merged)
 
   return loop_once_if(is_open, merge, (grads, state.acc_grads))
-
-
-def window_metrics(window, acc_grads, weight, grad_norm, state, new_state, opts) -> dict:
-  """The metrics of a closed window (see :func:`train_step`)."""
-  scale = None if state.loss_scale is None else state.loss_scale.scale
-  loss, aux = window.means()
-  metrics = {
-    "loss": loss,
-    "grad_norm": grad_norm,
-    "weight": window.sums.weight,
-    "updated": new_state.updated,
-  }
-  if opts.loss.has_aux:
-    metrics["aux"] = aux
-  if scale is not None:
-    metrics["loss_scale"] = scale
-  if isinstance(window.noise, NoiseSums):
-    ns = state.noise_scale
-    metrics.update(noise_metrics(ns, new_state.noise_scale, acc_grads, weight, scale))
-  return metrics
