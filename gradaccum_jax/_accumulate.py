@@ -265,7 +265,6 @@ class _Accumulator:
     params: Params | None,
     grad_like: Updates,
     extra_args: dict[str, Any],
-    apply: bool = False,
     in_place: bool = False,
     norm_by_rows: bool = False,
     branch: bool = False,
@@ -295,7 +294,6 @@ class _Accumulator:
       ok = ok & jnp.isfinite(sq)
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
-    del apply  # the fused step's modes apply the update, a branch returns it
     mode = self._in_branch if branch else self._in_loop if in_place else self._in_selects
     inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
     updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state)

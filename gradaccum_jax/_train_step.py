@@ -169,9 +169,8 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     new_params, new_state, grad_norm = acc.close(
-      acc_grads, weight, state, params, params, extra, apply=True, in_place=in_place,
-      norm_by_rows=dp is None,
-    )  # fmt: skip
+      acc_grads, weight, state, params, params, extra, in_place=in_place, norm_by_rows=dp is None
+    )
     cleared = new_state.acc_grads if cleared is None else cleared
     new_state = new_state._replace(acc_grads=place_params(dp, cleared))
     new_params = place_params(dp, new_params)
