@@ -92,8 +92,7 @@ def make_data_parallel(
       f"{where}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))),"
       f" got {type(mesh).__name__}."
     )
-  if data_axis is None:
-    data_axis = "data"
+  data_axis = "data" if data_axis is None else data_axis
   axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
   if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
     raise TypeError(
@@ -331,28 +330,21 @@ class PerMicrobatch:
     return _per_leaf(lambda g, p: g if p.dim is None else p.scatter(g), grads, self.plans)
 
   def wrap(self, unit: SumsUnit) -> ScatteredSums:
-    return ScatteredSums(unit, self.reduce)
+    return ScatteredSums(unit.weighting, self.reduce)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScatteredSums:
+class ScatteredSums(SumsUnit):
   """:class:`SumsUnit` whose gradient sums are reduce-scattered every micro-batch: ``w_i g_i``
   (0 for ``w_i <= 0``) is reduced before it is added, so each device's weight multiplies its own
   gradient; the loss, weight and aux sums stay local."""
 
-  unit: SumsUnit
   reduce: Callable[[Any], Any]
 
-  def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
-    return self.unit.init(acc_init, loss_like, aux_like)
-
-  def finish(self, s: Sums, num: Any) -> Sums:
-    return self.unit.finish(s, num)
-
   def update(self, s: Sums, m: Micro) -> Sums:
-    rest = self.unit.update(s._replace(grads=()), m._replace(grads=()))
+    rest = super().update(s._replace(grads=()), m._replace(grads=()))
     zeros = jax.tree.map(lambda g, a: jnp.zeros(jnp.shape(g), a.dtype), m.grads, s.grads)
-    weighted = self.unit.weighting.add(zeros, m.grads, m.weight)
+    weighted = self.weighting.add(zeros, m.grads, m.weight)
     return rest._replace(grads=jax.tree.map(jnp.add, s.grads, self.reduce(weighted)))
 
 
@@ -361,11 +353,10 @@ def reduce_over_data(
 ) -> tuple[list[jax.Array], Any]:
   """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes.
 
-  One ``psum`` (one tuple all-reduce) of ``extra`` and of the gradients of params replicated
-  over the data axes, and of data-and-model-sharded ones (then each device keeps its shard);
-  one reduce-scatter per param sharded over data axes only. ``scattered``: the sharded
-  gradients were reduced over their data axes in the loop already (``"per_microbatch"``);
-  they are summed over the data axes they are replicated over.
+  One tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
+  sharded over data and model axes (each device keeps its shard), one reduce-scatter per param
+  sharded over data axes only. ``scattered``: those were reduced in the loop (per micro-batch)
+  and are only summed over the data axes they are replicated over.
   """
   whole = [p.dim is None or (p.model and not scattered) for p in plans]
   summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
