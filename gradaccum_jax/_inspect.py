@@ -100,15 +100,13 @@ def _budget(value: Any, name: str) -> dict[str, int] | None:
   """A budget (None, an int for every kind, or ``{kind: max}``) as ``{kind: max}``."""
   if value is None:
     return None
-  items = value.items() if isinstance(value, Mapping) else ((k, value) for k in KINDS)
-  budget = {}
-  for kind, n in items:
+  budget = dict(value) if isinstance(value, Mapping) else dict.fromkeys(KINDS, value)
+  for kind, n in budget.items():
     if kind not in KINDS:
       raise ValueError(f"{name} names an unknown collective {kind!r}; the kinds are {KINDS}.")
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
       raise ValueError(f"{name} must give a count >= 0 for {kind!r}, got {n!r}.")
-    budget[kind] = int(n)
-  return budget
+  return {kind: int(n) for kind, n in budget.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +143,8 @@ class StepReport:
       for line in lines:
         if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
           shapes, size = _shapes_and_bytes(m.group(2))
-          found.append(
-            Collective(m.group(3), m.group(1), comp, shapes, size, comp in loops, comp in branches,
-                       line.strip())
-          )  # fmt: skip
+          where = (comp in loops, comp in branches)
+          found.append(Collective(m.group(3), m.group(1), comp, shapes, size, *where, line.strip()))
         elif m := _WHILE.match(line):
           trips = _TRIPS.search(line)
           whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))

@@ -63,16 +63,12 @@ class AutoGatherStep:
     self._chosen: dict[Any, tuple[str, dict[str, int], Any]] = {}
 
   def _choose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict]:
-    if kwargs.get("num_real_microbatches") is not None:  # as JitStep passes it
-      kwargs = {
-        **kwargs,
-        "num_real_microbatches": jnp.asarray(kwargs["num_real_microbatches"], jnp.int32),
-      }
+    num_real = kwargs.get("num_real_microbatches")
+    if num_real is not None:  # as JitStep passes it
+      kwargs = {**kwargs, "num_real_microbatches": jnp.asarray(num_real, jnp.int32)}
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    key = (
-      treedef,
-      tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves),
-    )
+    avals = [(jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves]
+    key = treedef, tuple(avals)
     if key not in self._chosen:
       programs = {g: step.lower(*args, **kwargs).compile() for g, step in self._steps.items()}
       what = "gather_params='auto' cannot compare the policies; pass 'once' or 'per_microbatch'"

@@ -321,8 +321,7 @@ class PerMicrobatch:
   axes: tuple[str, ...]
 
   def gather(self, params: Any, index: jax.Array) -> Any:
-    """The full params for micro-batch ``index`` (tied to it: XLA would otherwise hoist the
-    loop-invariant gathers out of the loop and keep the full params for the whole window)."""
+    """The full params for micro-batch ``index`` (tied to it, or XLA hoists the gathers out)."""
     params, _ = jax.lax.optimization_barrier((params, index))
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
@@ -444,8 +443,8 @@ def _per_device(dp, plans, local_sums, weighting, acc_leaves, seeded, static,
     params = _per_leaf(lambda x, p: x if p.outside else p.gather(x), params, plans)
   if rng is not None:
     rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
-  # Zeros like the params the gradients come from (on an explicit mesh, with their model
-  # sharding in the type, as the scan's carry must), or this device's share of the seeds.
+  # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
+  # or this device's share of the seeds.
   it, factor = iter(seeds), weighting.seed_factor(dp.size)
   acc0 = treedef.unflatten([
     p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
@@ -463,9 +462,8 @@ def _per_device(dp, plans, local_sums, weighting, acc_leaves, seeded, static,
 
 
 def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_plans: list) -> tuple:
-  """``over_mesh``'s arguments as its ``shard_map`` takes them: params gathered over the data
-  axes where GSPMD gathers them (``outside``); on an explicit mesh, all as the in_specs say,
-  model state, keys and scalars replicated over the data axes only (a model axis is kept)."""
+  """``over_mesh``'s arguments laid out for its ``shard_map``: the params as ``_LeafPlan.layout``;
+  on an explicit mesh all as the in_specs say, the rest replicated over the data axes only."""
   mesh, explicit = dp.mesh, _explicit(dp.mesh)
   params, batch, *rest = args
   if explicit or any(p.outside for p in plans):
