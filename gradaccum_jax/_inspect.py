@@ -115,7 +115,7 @@ class StepReport:
 
   Attributes:
     in_loop, after_loop: ``{kind: number of ops}`` inside the while loops, and outside every
-      loop (before or after it); kinds as in HLO (``KINDS``).
+      loop; kinds as in HLO (``KINDS``).
     in_loop_bytes, after_loop_bytes: ``{kind: bytes}`` those ops move per execution.
     peak_bytes: per device, temp + arguments + outputs - aliased (None without a memory analysis).
     collectives: every collective op, a ``Collective(kind, name, computation, shapes, bytes,
@@ -343,10 +343,8 @@ def check_step(
     inner_state = opt_state.inner_state
   # Host copies first: the step may donate its arguments.
   host = jax.tree.map(np.asarray, (params, batch, inner_state))
-  copies = jax.tree.map(
-    lambda x: x.copy() if isinstance(x, jax.Array) else x, (params, opt_state, batch)
-  )
-  out = step(*copies)
+  copy = lambda x: x.copy() if isinstance(x, jax.Array) else x  # noqa: E731
+  out = step(*jax.tree.map(copy, (params, opt_state, batch)))
   new = jax.tree.map(np.asarray, out[0] if isinstance(out, tuple | list) else out)
   p0, b, s0 = jax.device_put(host, jax.devices()[0])  # the single-device whole batch
 

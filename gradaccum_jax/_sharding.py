@@ -116,9 +116,8 @@ def make_data_parallel(
 
 def varying_axes(x: Any) -> frozenset:
   """The manual mesh axes over which ``x`` may differ between devices (inside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.10: the manual axis type
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+  mat = getattr(jax.typeof(x), "mat", None)  # the manual axis type
+  return frozenset(() if mat is None else mat.varying)
 
 
 def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -231,9 +230,6 @@ class _LeafPlan:
 
 def leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
   """One plan per params leaf from ``dp.param_specs`` (a pytree prefix of the params)."""
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  if dp.param_specs is None:
-    return [_LeafPlan(P(), None, (), dp.axes) for _ in leaves]
   try:
     specs = jax.tree.broadcast(
       dp.param_specs, params, is_leaf=lambda s: s is None or isinstance(s, P)
@@ -248,7 +244,7 @@ def leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
   specs = jax.tree.structure(params).flatten_up_to(specs)
   return [
     _leaf_plan(dp, jax.tree_util.keystr(path) or "params", jnp.shape(x), spec)
-    for (path, x), spec in zip(leaves, specs, strict=True)
+    for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs, strict=True)
   ]
 
 
@@ -258,8 +254,7 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
     raise TypeError(f"param_specs for {name} must be a PartitionSpec or None, got {spec!r}.")
   if len(spec) > len(shape):
     raise ValueError(f"param_specs for {name} is {spec}, longer than its shape {shape}.")
-  mesh_axes = dp.mesh.axis_names
-  unknown = [n for e in spec for n in _names(e) if n not in mesh_axes]
+  unknown = [n for e in spec for n in _names(e) if n not in dp.mesh.axis_names]
   if unknown:
     raise ValueError(
       f"param_specs for {name} is {spec}: {', '.join(map(repr, unknown))} is not an axis of"
@@ -325,11 +320,8 @@ class PerMicrobatch:
     params, _ = jax.lax.optimization_barrier((params, index))
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
-  def reduce(self, grads: Any) -> Any:
-    return _per_leaf(lambda g, p: g if p.dim is None else p.scatter(g), grads, self.plans)
-
   def wrap(self, unit: SumsUnit) -> ScatteredSums:
-    return ScatteredSums(unit.weighting, self.reduce)
+    return ScatteredSums(unit.weighting, self.plans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,13 +330,14 @@ class ScatteredSums(SumsUnit):
   (0 for ``w_i <= 0``) is reduced before it is added, so each device's weight multiplies its own
   gradient; the loss, weight and aux sums stay local."""
 
-  reduce: Callable[[Any], Any]
+  plans: tuple[_LeafPlan, ...]
 
   def update(self, s: Sums, m: Micro) -> Sums:
     rest = super().update(s._replace(grads=()), m._replace(grads=()))
     zeros = jax.tree.map(lambda g, a: jnp.zeros(jnp.shape(g), a.dtype), m.grads, s.grads)
     weighted = self.weighting.add(zeros, m.grads, m.weight)
-    return rest._replace(grads=jax.tree.map(jnp.add, s.grads, self.reduce(weighted)))
+    reduced = _per_leaf(lambda g, p: g if p.dim is None else p.scatter(g), weighted, self.plans)
+    return rest._replace(grads=jax.tree.map(jnp.add, s.grads, reduced))
 
 
 def reduce_over_data(
@@ -476,7 +469,7 @@ def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_pla
 
 
 def reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
-  """Float leaves averaged over the devices where they differ; integer, bool and key leaves maxed."""
+  """Float leaves averaged over the devices where they differ; int, bool and key leaves maxed."""
 
   def reduce(x):
     vary = tuple(a for a in axes if a in varying_axes(x))
