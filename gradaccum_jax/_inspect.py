@@ -120,7 +120,7 @@ class StepReport:
     peak_bytes: per device, temp + arguments + outputs - aliased (None without a memory analysis).
     collectives: every collective op, a ``Collective(kind, name, computation, shapes, bytes,
       in_loop, in_branch, text)``; ``bytes`` is its result's size on one device per execution
-      (see docs/verifying.md). An op in a loop runs once per trip.
+      (summed over a tuple; docs/verifying.md). An op in a loop runs once per trip.
     loops: every while loop, a ``Loop(name, computation, trip_count, nested)``.
     temp_bytes, argument_bytes, output_bytes, alias_bytes: the parts of
       ``compiled.memory_analysis()`` per device (None if the backend has none).
@@ -232,7 +232,7 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
   peak = temp + arguments + outputs - aliased. See docs/verifying.md.
 
   Args:
-    step: a ``ga`` step, any ``jax.jit`` function (its ``lower`` is used), or a plain function.
+    step: a ``ga`` step, a ``jax.jit`` function (its ``lower`` is used), or a function to jit.
     *args: its arguments: arrays or ``jax.ShapeDtypeStruct`` (with shardings).
     **kwargs: its keyword arguments.
 

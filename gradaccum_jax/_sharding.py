@@ -316,7 +316,8 @@ class PerMicrobatch:
   axes: tuple[str, ...]
 
   def gather(self, params: Any, index: jax.Array) -> Any:
-    """The full params for micro-batch ``index`` (tied to it, or XLA hoists the gathers out)."""
+    """The full params for micro-batch ``index``, tied to it: XLA would otherwise hoist the
+    gathers out of the loop and hold the full params all window."""
     params, _ = jax.lax.optimization_barrier((params, index))
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
