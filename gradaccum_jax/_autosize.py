@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,12 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, accumulate
 from gradaccum_jax._checks import check_batch, check_num_microbatches
-from gradaccum_jax._memory import compiled_bytes, device_memory_budget, memory_analysis
+from gradaccum_jax._memory import (
+  check_budget,
+  compiled_bytes,
+  device_memory_budget,
+  memory_analysis,
+)
 from gradaccum_jax._train_step import train_step
 
 
@@ -45,23 +49,22 @@ def step_memory(
   """Bytes the compiled fused step needs for ``num_microbatches`` micro-batches.
 
   Compiles ``ga.train_step(loss_fn, ga.accumulate(tx, num_microbatches))`` on the shapes of
-  ``params`` and ``batch`` (nothing runs) and adds up ``compiled.memory_analysis()``: ``temp +
-  argument + output - alias`` bytes, XLA's plan for one device (the terms: docs/choosing_k.md).
+  ``params`` and ``batch`` (nothing runs): ``temp + argument + output - alias`` bytes of
+  ``compiled.memory_analysis()``, XLA's plan for one device (docs/choosing_k.md).
 
   Args:
-    loss_fn: as in :func:`train_step`.
+    loss_fn, has_aux, weight_fn, compute_dtype, donate: as in :func:`train_step`.
     params: the params, as arrays or ``jax.ShapeDtypeStruct`` leaves.
     batch: one whole batch of ``B`` rows, as arrays or ``jax.ShapeDtypeStruct`` leaves.
     num_microbatches: ``k``; must divide ``B``.
     tx: the inner optimizer (its state counts); ``optax.sgd(0.0)`` (no state) by default.
-    has_aux, weight_fn, compute_dtype, donate: as in :func:`train_step`.
     accum_dtype: as in :func:`accumulate`.
 
   Returns:
     The estimated bytes, an int.
 
   Raises:
-    ValueError: if ``num_microbatches`` does not divide the batch size or the batch is malformed.
+    ValueError: if ``num_microbatches`` does not divide ``B`` or the batch is malformed.
     TypeError: if ``tx`` is already made by :func:`accumulate`.
     RuntimeError: if the backend gives no memory analysis.
 
@@ -94,16 +97,16 @@ def auto_microbatch(
 ) -> int | tuple[int, dict[int, int]]:
   """The fewest micro-batches ``k`` (largest micro-batch) whose fused step fits a budget.
 
-  Returns the first divisor ``k`` of the batch size ``B``, in increasing order, whose
+  The first divisor ``k`` of the batch size ``B``, in increasing order, whose
   :func:`step_memory` (compiled on shapes: no trial run) is at most the budget. Memory held by
   other arrays is not counted: leave a margin (docs/choosing_k.md).
 
   Args:
-    loss_fn, params, batch, tx: as in :func:`step_memory`; pass the inner optimizer you train
-      with (not wrapped in :func:`accumulate`): its state counts.
+    loss_fn, params, batch, has_aux, weight_fn, compute_dtype, accum_dtype, donate: as in
+      :func:`step_memory`.
+    tx: the inner optimizer you train with (not wrapped in :func:`accumulate`): its state counts.
     memory_budget_bytes: the bytes the step may use; by default the first device's
       ``memory_stats()["bytes_limit"]`` (GPU, TPU), required where there is none (CPU).
-    has_aux, weight_fn, compute_dtype, accum_dtype, donate: as in :func:`step_memory`.
     return_estimates: also return the bytes of every ``k`` compiled.
 
   Returns:
@@ -112,7 +115,7 @@ def auto_microbatch(
   Raises:
     ValueError: with no budget where the device reports no limit, a budget ``<= 0``, a malformed
       batch, or when even ``k = B`` does not fit (the message gives its bytes and the budget).
-    TypeError: if ``tx`` is already made by :func:`accumulate`.
+    TypeError: if ``tx`` is already made by :func:`accumulate`, or the budget is not a number.
 
   Examples:
     >>> import jax.numpy as jnp, gradaccum_jax as ga
@@ -125,10 +128,7 @@ def auto_microbatch(
   budget = memory_budget_bytes
   if budget is None:
     budget = device_memory_budget(jax.devices()[0], needs)
-  if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
-    raise TypeError(f"memory_budget_bytes={budget!r} must be a number of bytes (an int).")
-  if not budget > 0:
-    raise ValueError(f"memory_budget_bytes={budget!r} must be > 0.")
+  check_budget(budget, "auto_microbatch")
   batch_size = check_batch(batch, 1)
   kwargs = dict(has_aux=has_aux, weight_fn=weight_fn, compute_dtype=compute_dtype, donate=donate)
   estimates: dict[int, int] = {}

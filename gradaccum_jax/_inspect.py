@@ -100,15 +100,13 @@ def _budget(value: Any, name: str) -> dict[str, int] | None:
   """A budget (None, an int for every kind, or ``{kind: max}``) as ``{kind: max}``."""
   if value is None:
     return None
-  items = value.items() if isinstance(value, Mapping) else ((k, value) for k in KINDS)
-  budget = {}
-  for kind, n in items:
+  budget = dict(value) if isinstance(value, Mapping) else dict.fromkeys(KINDS, value)
+  for kind, n in budget.items():
     if kind not in KINDS:
       raise ValueError(f"{name} names an unknown collective {kind!r}; the kinds are {KINDS}.")
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
       raise ValueError(f"{name} must give a count >= 0 for {kind!r}, got {n!r}.")
-    budget[kind] = int(n)
-  return budget
+  return {kind: int(n) for kind, n in budget.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,16 +114,13 @@ class StepReport:
   """What a compiled step communicates and holds: the result of :func:`inspect_step`.
 
   Attributes:
-    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops, and
-      outside every loop (before or after it); kinds as in HLO (``KINDS``).
+    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops, and outside every
+      loop; kinds as in HLO (``KINDS``).
     in_loop_bytes, after_loop_bytes: ``{kind: bytes}`` those ops move per execution.
-    peak_bytes: per device, temp + arguments + outputs - aliased (None without
-      a memory analysis).
-    collectives: every collective op, a ``Collective(kind, name, computation,
-      shapes, bytes, in_loop, in_branch, text)``; ``bytes`` is the size of its
-      result on one device per execution (dtype size x elements, summed over a
-      tuple): an all-reduce's reduced arrays, an all-gather's gathered ones, a
-      reduce-scatter's shards. An op in a loop runs once per trip.
+    peak_bytes: per device, temp + arguments + outputs - aliased (None without a memory analysis).
+    collectives: every collective op, a ``Collective(kind, name, computation, shapes, bytes,
+      in_loop, in_branch, text)``; ``bytes`` is its result's size on one device per execution
+      (summed over a tuple; docs/verifying.md). An op in a loop runs once per trip.
     loops: every while loop, a ``Loop(name, computation, trip_count, nested)``.
     temp_bytes, argument_bytes, output_bytes, alias_bytes: the parts of
       ``compiled.memory_analysis()`` per device (None if the backend has none).
@@ -148,10 +143,8 @@ class StepReport:
       for line in lines:
         if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
           shapes, size = _shapes_and_bytes(m.group(2))
-          found.append(
-            Collective(m.group(3), m.group(1), comp, shapes, size, comp in loops, comp in branches,
-                       line.strip())
-          )  # fmt: skip
+          where = (comp in loops, comp in branches)
+          found.append(Collective(m.group(3), m.group(1), comp, shapes, size, *where, line.strip()))
         elif m := _WHILE.match(line):
           trips = _TRIPS.search(line)
           whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
@@ -176,18 +169,23 @@ class StepReport:
     if self.temp_bytes is not None:
       return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
 
+  def _parts(self) -> str:
+    return (
+      f"temp {self.temp_bytes}, arguments {self.argument_bytes}, outputs {self.output_bytes},"
+      f" aliased {self.alias_bytes}"
+    )
+
   def check(self, max_in_loop: Any = 0, max_after_loop: Any = None, max_peak_bytes=None) -> None:
     """Raises ValueError naming every collective and byte over budget; for users' tests.
 
     Args:
-      max_in_loop: the most ops of each kind allowed inside loops: an int for
-        every kind, ``{kind: count}`` for the kinds named, or None (no limit).
+      max_in_loop: the most ops of each kind inside loops: an int for every kind,
+        ``{kind: count}`` for the kinds named, or None (no limit).
       max_after_loop: the same, outside every loop.
       max_peak_bytes: the most per-device :attr:`peak_bytes`, or None.
 
     Raises:
-      ValueError: listing each collective over budget (where, and its bytes)
-        and the peak over ``max_peak_bytes``; or for an unknown kind.
+      ValueError: listing each collective (where, its bytes) and peak over budget; an unknown kind.
     """
     problems = []
     budgets = (("in a loop", True, max_in_loop), ("outside loops", False, max_after_loop))
@@ -202,10 +200,7 @@ class StepReport:
       if self.peak_bytes is None:
         raise ValueError("max_peak_bytes given, but the backend reports no memory analysis.")
       if self.peak_bytes > max_peak_bytes:
-        problems.append(
-          f"peak_bytes={self.peak_bytes} > {max_peak_bytes=} (temp {self.temp_bytes}, arguments"
-          f" {self.argument_bytes}, outputs {self.output_bytes}, aliased {self.alias_bytes})"
-        )
+        problems.append(f"peak_bytes={self.peak_bytes} > {max_peak_bytes=} ({self._parts()})")
     if problems:
       raise ValueError(
         "The step is over budget; move the collectives out of the loop (reduce once per window,"
@@ -216,44 +211,40 @@ class StepReport:
     trips = ", ".join(
       f"%{lp.name}: {'?' if lp.trip_count is None else lp.trip_count} trips" for lp in self.loops
     )
-    rows = [f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''},"
-            f" peak {self.peak_bytes} bytes per device (temp {self.temp_bytes}, arguments"
-            f" {self.argument_bytes}, outputs {self.output_bytes}, aliased {self.alias_bytes})",
-            f"  {'collective':<20} {'in loop':>8} {'bytes':>12} {'after loop':>11} {'bytes':>12}"]  # fmt: skip
-    n, b, n_out, b_out = self.in_loop, self.in_loop_bytes, self.after_loop, self.after_loop_bytes
-    for kind in (k for k in KINDS if k in n or k in n_out):
-      rows.append(
-        f"  {kind:<20} {n.get(kind, 0):>8} {b.get(kind, 0):>12} {n_out.get(kind, 0):>11}"
-        f" {b_out.get(kind, 0):>12}"
-      )
-    return "\n".join(rows if len(rows) > 2 else [*rows[:1], "  no collectives"])
+    head = (
+      f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''}, peak"
+      f" {self.peak_bytes} bytes per device ({self._parts()})"
+    )
+    counts = (self.in_loop, self.in_loop_bytes, self.after_loop, self.after_loop_bytes)
+    kinds = [kind for kind in KINDS if kind in counts[0] or kind in counts[2]]
+    if not kinds:
+      return f"{head}\n  no collectives"
+    row = "  {:<20} {:>8} {:>12} {:>11} {:>12}".format
+    rows = [row(kind, *(c.get(kind, 0) for c in counts)) for kind in kinds]
+    return "\n".join([head, row("collective", "in loop", "bytes", "after loop", "bytes"), *rows])
 
 
 def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepReport:
   """Compiles ``step`` on the given arguments, runs nothing, and reports its collectives and memory.
 
-  Reads the compiled HLO (``compiled.as_text()``): each collective op, inside
-  the while loops (the micro-batch scan) or outside every loop, with the bytes
-  of its result; the loops and their static trip counts; and
-  ``compiled.memory_analysis()``: peak = temp + arguments + outputs - aliased.
+  Each collective op of the compiled HLO, inside the while loops (the micro-batch scan) or outside
+  every loop, with its bytes; the loops' static trip counts; and ``compiled.memory_analysis()``:
+  peak = temp + arguments + outputs - aliased. See docs/verifying.md.
 
   Args:
-    step: a ``ga`` step, any ``jax.jit`` function (its ``lower`` is used), or a
-      plain function (``jax.jit`` of it).
+    step: a ``ga`` step, a ``jax.jit`` function (its ``lower`` is used), or a function to jit.
     *args: its arguments: arrays or ``jax.ShapeDtypeStruct`` (with shardings).
     **kwargs: its keyword arguments.
 
   Returns:
-    A :class:`StepReport`; ``report.check(max_in_loop=0)`` raises on a
-    collective in the loop.
+    A :class:`StepReport`; ``report.check(max_in_loop=0)`` raises on a collective in the loop.
 
   Raises:
     TypeError: if ``step`` is not callable.
     ValueError: if ``step`` cannot be lowered and compiled on these arguments.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import gradaccum_jax as ga
+    >>> import jax, jax.numpy as jnp, gradaccum_jax as ga
     >>> step = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, 4)[0])
     >>> report = ga.inspect_step(step, jnp.ones(3))
     >>> isinstance(report, ga.StepReport), report.in_loop, [lp.trip_count for lp in report.loops]
@@ -309,22 +300,20 @@ def check_step(
   """Runs one window of a built step on copies of its arguments and compares the new params with
   the single-device whole-batch update by the same inner optimizer.
 
-  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)``
-  on one device; each leaf's ``max |p_step - p_ref|`` is divided by the largest
-  entry of ``|p_ref - p|``. A step that averages per-device means over uneven
-  token counts, reduces a gradient twice or drops a reduction differs. Adam's
-  first update is about ``lr * sign(g)``: check gradient scales with SGD.
+  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one
+  device; each leaf's ``max |p_step - p_ref|`` is divided by the largest entry of ``|p_ref - p|``.
+  Check gradient scales with SGD: Adam's first update is about ``lr * sign(g)`` (docs/verifying.md).
 
   Args:
-    step: ``step(params, opt_state, batch)`` returning ``(new_params, ...)``: a
-      ``ga`` step (a window per call) or your own jitted step.
-    loss_fn: ``loss_fn(params, batch)``, the whole batch's mean loss (``(loss,
-      aux)`` with ``has_aux``); deterministic.
+    step: ``step(params, opt_state, batch)`` returning ``(new_params, ...)``: a ``ga`` step (a
+      window per call) or your own jitted step.
+    loss_fn: ``loss_fn(params, batch)``, the whole batch's mean loss (``(loss, aux)`` with
+      ``has_aux``); deterministic.
     inner_tx: the optimizer the step applies (the one inside ``ga.accumulate``).
     params, opt_state, batch: the step's arguments (not modified nor donated).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    inner_state: the reference's optimizer state; default: ``opt_state.inner_state``
-      of a ``ga`` state, else ``inner_tx.init(params)``.
+    inner_state: the reference's optimizer state; default: ``opt_state.inner_state`` of a ``ga``
+      state, else ``inner_tx.init(params)``.
     rtol: the tolerance of ``ok``.
 
   Returns:
@@ -334,13 +323,11 @@ def check_step(
     TypeError, ValueError: for a bad argument, or new params unlike ``params``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax
-    >>> import gradaccum_jax as ga
+    >>> import jax.numpy as jnp, optax, gradaccum_jax as ga
     >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
     >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.ones(8)}
-    >>> tx = ga.accumulate(optax.sgd(0.1), 4)
+    >>> tx, w = ga.accumulate(optax.sgd(0.1), 4), jnp.zeros(3)
     >>> step = ga.train_step(loss, tx)
-    >>> w = jnp.zeros(3)
     >>> result = ga.check_step(step, loss, optax.sgd(0.1), w, tx.init(w), batch)
     >>> isinstance(result, ga.StepCheck), result.ok
     (True, True)
@@ -349,19 +336,15 @@ def check_step(
     if not callable(fn):
       raise TypeError(f"{name} must be a function, got {fn!r}.")
   if not isinstance(inner_tx, optax.GradientTransformation):
-    raise TypeError(
-      f"inner_tx must be an optax transformation (e.g. optax.adam), got {inner_tx!r}."
-    )
+    raise TypeError(f"inner_tx must be an optax transformation (e.g. optax.sgd), got {inner_tx!r}.")
   if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not rtol > 0:
     raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
   if inner_state is None and isinstance(opt_state, AccumulateState):
     inner_state = opt_state.inner_state
   # Host copies first: the step may donate its arguments.
   host = jax.tree.map(np.asarray, (params, batch, inner_state))
-  copies = jax.tree.map(
-    lambda x: x.copy() if isinstance(x, jax.Array) else x, (params, opt_state, batch)
-  )
-  out = step(*copies)
+  copy = lambda x: x.copy() if isinstance(x, jax.Array) else x  # noqa: E731
+  out = step(*jax.tree.map(copy, (params, opt_state, batch)))
   new = jax.tree.map(np.asarray, out[0] if isinstance(out, tuple | list) else out)
   p0, b, s0 = jax.device_put(host, jax.devices()[0])  # the single-device whole batch
 

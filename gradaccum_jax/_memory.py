@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,14 @@ def memory_analysis(compiled: Any, what: str) -> Any:
   return analysis
 
 
+def check_budget(budget: Any, where: str) -> None:
+  """``memory_budget_bytes``, checked: a number of bytes > 0."""
+  if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+    raise TypeError(f"{where}: memory_budget_bytes={budget!r} must be a number of bytes.")
+  if not budget > 0:
+    raise ValueError(f"{where}: memory_budget_bytes={budget!r} must be > 0.")
+
+
 def device_memory_budget(device: Any, needs: str) -> int:
   """``device.memory_stats()["bytes_limit"]``, or a ValueError saying what ``needs`` it."""
   stats = device.memory_stats() or {}
@@ -43,12 +52,10 @@ def device_memory_budget(device: Any, needs: str) -> int:
 
 
 class AutoGatherStep:
-  """A jitted step with ``gather_params="auto"``: for each new signature of its arguments
-  (shapes, dtypes, shardings) both policies are compiled once (nothing runs), and the program
-  of ``"once"`` runs if its compiled memory fits the budget, else ``"per_microbatch"``'s.
-
-  ``chosen_gather_params(*args)`` tells which, ``gather_params_bytes(*args)`` the per-device
-  bytes of each (:func:`compiled_bytes`); neither runs the step.
+  """A jitted step with ``gather_params="auto"``: per signature of its arguments (shapes, dtypes,
+  shardings) both policies are compiled once, and ``"once"`` runs if its compiled memory fits
+  the budget, else ``"per_microbatch"``. ``chosen_gather_params(*args)`` tells which,
+  ``gather_params_bytes(*args)`` the bytes of each (:func:`compiled_bytes`); neither runs it.
   """
 
   def __init__(self, steps: dict[str, Any], budget: int):
@@ -56,16 +63,12 @@ class AutoGatherStep:
     self._chosen: dict[Any, tuple[str, dict[str, int], Any]] = {}
 
   def _choose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict]:
-    if kwargs.get("num_real_microbatches") is not None:  # as JitStep passes it
-      kwargs = {
-        **kwargs,
-        "num_real_microbatches": jnp.asarray(kwargs["num_real_microbatches"], jnp.int32),
-      }
+    num_real = kwargs.get("num_real_microbatches")
+    if num_real is not None:  # as JitStep passes it
+      kwargs = {**kwargs, "num_real_microbatches": jnp.asarray(num_real, jnp.int32)}
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    key = (
-      treedef,
-      tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves),
-    )
+    avals = [(jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves]
+    key = treedef, tuple(avals)
     if key not in self._chosen:
       programs = {g: step.lower(*args, **kwargs).compile() for g, step in self._steps.items()}
       what = "gather_params='auto' cannot compare the policies; pass 'once' or 'per_microbatch'"
@@ -96,9 +99,8 @@ class AutoGatherStep:
 
 
 def auto_gather(build: Callable[[str], Any], budget: int, jit: bool, where: str) -> AutoGatherStep:
-  """``gather_params="auto"`` for any front end: ``build(gather)`` makes its jitted step for
-  one policy; the :class:`AutoGatherStep` runs the one whose compiled memory fits ``budget``.
-  ``jit=False`` (a front end's option) is refused, naming ``where``: "auto" compiles."""
+  """``gather_params="auto"`` for any front end, ``build(gather)`` making its jitted step for one
+  policy; ``jit=False`` is refused, naming ``where``: "auto" compiles."""
   if not jit:
     raise ValueError(f"{where}: gather_params='auto' compiles the step, so it needs jit=True.")
   return AutoGatherStep({g: build(g) for g in ("once", "per_microbatch")}, budget)

@@ -1,10 +1,9 @@
 """Data-parallel and sharded-parameter accumulation: one reduction per window.
 
-The scan runs under ``jax.shard_map`` over the data axes only (other axes stay GSPMD's), on
-each device's own rows, with the params cast to device-varying so the loop has no collective;
-one ``psum`` of everything additive follows it, and FSDP params are gathered and their
-gradients reduce-scattered once or per micro-batch (``gather_params``). See
-docs/data_parallel.md and docs/architecture.md.
+The scan runs under ``jax.shard_map`` over the data axes only (other axes stay GSPMD's) on each
+device's rows, params device-varying so the loop has no collective; one ``psum`` follows it. FSDP
+params are gathered and their gradients reduce-scattered once or per micro-batch
+(``gather_params``). See docs/data_parallel.md and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -21,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._checks import check_batch, is_inexact
-from gradaccum_jax._memory import device_memory_budget
+from gradaccum_jax._memory import check_budget, device_memory_budget
 from gradaccum_jax._parts import Micro, Sums, SumsUnit, Weighting
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
@@ -29,8 +28,7 @@ GATHER_POLICIES = ("once", "per_microbatch", "auto")
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
-  """Where the batch and the params live: a mesh, its data axes, the params' specs, and how
-  params sharded over the data axes are gathered."""
+  """A mesh, its data axes, the params' specs, and how params sharded over data axes gather."""
 
   mesh: jax.sharding.Mesh
   axes: tuple[str, ...]  # the mesh axes the batch's leading dimension is split over
@@ -64,10 +62,7 @@ def _check_gather(gather_params: Any, memory_budget_bytes: Any, where: str) -> N
         f"{where}: memory_budget_bytes= is the budget of gather_params='auto'; got"
         f" gather_params={gather_params!r}."
       )
-    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int | float):
-      raise TypeError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be a number.")
-    if not memory_budget_bytes > 0:
-      raise ValueError(f"{where}: memory_budget_bytes={memory_budget_bytes!r} must be > 0.")
+    check_budget(memory_budget_bytes, where)
 
 
 def make_data_parallel(
@@ -82,10 +77,10 @@ def make_data_parallel(
   _check_gather(gather_params, memory_budget_bytes, where)
   if mesh is None:
     given = [
-      name
-      for name, value in (("data_axis", data_axis), ("param_specs", param_specs))
-      if value is not None
-    ] + (["gather_params"] if gather_params != "once" else [])
+      n for n, v in (("data_axis", data_axis), ("param_specs", param_specs)) if v is not None
+    ]
+    if gather_params != "once":
+      given.append("gather_params")
     if given:
       raise ValueError(
         f"{where}: {given[0]}= needs mesh=, the jax.sharding.Mesh the batch is sharded over,"
@@ -97,8 +92,7 @@ def make_data_parallel(
       f"{where}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))),"
       f" got {type(mesh).__name__}."
     )
-  if data_axis is None:
-    data_axis = "data"
+  data_axis = "data" if data_axis is None else data_axis
   axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
   if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
     raise TypeError(
@@ -122,18 +116,13 @@ def make_data_parallel(
 
 def varying_axes(x: Any) -> frozenset:
   """The manual mesh axes over which ``x`` may differ between devices (inside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.10: the manual axis type
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+  mat = getattr(jax.typeof(x), "mat", None)  # the manual axis type
+  return frozenset(() if mat is None else mat.varying)
 
 
 def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
-  """Casts every array leaf of ``tree`` to device-varying over ``axes`` (inside shard_map).
-
-  A value that is invariant over a manual axis and then differentiated against
-  a varying loss gets its cotangent ``psum``-ed: cast before the scan, the
-  params' gradients stay per-device and the loop body has no collective.
-  """
+  """Casts ``tree``'s array leaves to device-varying over ``axes`` (inside shard_map): an
+  invariant value's cotangent would be ``psum``-ed, so the loop body has no collective."""
 
   def cast(x):
     missing = tuple(a for a in axes if a not in varying_axes(x))
@@ -145,7 +134,7 @@ def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 def place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   """Constrains ``x`` to ``NamedSharding(mesh, spec)`` (a reshard on explicit meshes)."""
   sharding = NamedSharding(mesh, spec)
-  if any(t == AxisType.Explicit for t in mesh.axis_types):
+  if _explicit(mesh):
     return jax.reshard(x, sharding)
   return jax.lax.with_sharding_constraint(x, sharding)
 
@@ -156,17 +145,19 @@ def off_data(x: Any, axes: tuple[str, ...]) -> P:
   return P(*[None if not n else n[0] if len(n) == 1 else n for n in kept])
 
 
-def _explicit_auto_axes(x: Any) -> bool:
-  """Whether ``x`` (inside shard_map) lives on a mesh with Explicit axes besides the manual
-  ones. JAX 0.12 cannot lower a reduce-scatter of such an array (its scalar type keeps the
-  operand's spec: "Length of sharding.spec (1) must be equal to aval's ndim (0)"), so there a
-  ``psum`` and a slice stand in for it: twice the bytes, as for a model-sharded leaf."""
-  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+def _explicit(mesh: Any) -> bool:
+  """Whether ``mesh`` (or None) has Explicit axes."""
   return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _names(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _per_leaf(fn: Callable[[Any, Any], Any], tree: Any, plans: Sequence[Any]) -> Any:
+  """``fn(leaf, plan)`` for each leaf of ``tree`` and its plan, as a tree like ``tree``."""
+  leaves = [fn(x, p) for x, p in zip(jax.tree.leaves(tree), plans, strict=True)]
+  return jax.tree.structure(tree).unflatten(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +180,6 @@ class _LeafPlan:
     return P(*[e if d == self.dim else None for d, e in enumerate(self.spec)])
 
   @property
-  def in_spec(self) -> P:
-    return P() if self.outside else self.manual
-
-  @property
   def layout(self) -> P:
     """Where the leaf is placed before the ``shard_map``."""
     return self.model_spec if self.outside else self.spec
@@ -201,9 +188,6 @@ class _LeafPlan:
   def model_spec(self) -> P:
     """The spec without its data axes: the leaf's layout once gathered over them."""
     return P(*[None if d == self.dim else e for d, e in enumerate(self.spec)])
-
-  def _index(self) -> jax.Array:
-    return jax.lax.axis_index(self.names if len(self.names) > 1 else self.names[0])
 
   def gather(self, x: jax.Array) -> jax.Array:
     """The full leaf from this device's shard (inside shard_map)."""
@@ -214,46 +198,38 @@ class _LeafPlan:
     # XLA's partitioner replicates a manual all-gather's operand over the auto (model) axes
     # first; a psum of the zero-padded shard keeps the model sharding (twice the bytes).
     size = x.shape[self.dim]
-    full = list(x.shape)
-    full[self.dim] = size * self.parts
+    full = (*x.shape[: self.dim], size * self.parts, *x.shape[self.dim + 1 :])
     # The zeros take the shard's sharding (on an explicit mesh the update's type must match).
     zeros = jnp.zeros(full, x.dtype, out_sharding=jax.typeof(x).sharding)
-    padded = jax.lax.dynamic_update_slice_in_dim(zeros, x, self._index() * size, self.dim)
+    index = jax.lax.axis_index(self.names) * size
+    padded = jax.lax.dynamic_update_slice_in_dim(zeros, x, index, self.dim)
     return jax.lax.psum(padded, self.names)
 
   def scatter(self, g: jax.Array) -> jax.Array:
     """This device's shard of ``g`` summed over ``names`` (a reduce-scatter)."""
-    if not (self.model or _explicit_auto_axes(g)):
-      return jax.lax.psum_scatter(g, self.names, scatter_dimension=self.dim, tiled=True)
-    return self.take(jax.lax.psum(g, self.names))
-
-  def seeds(self, per_microbatch: bool) -> bool:
-    """Whether a device's accumulator in the scan is shaped as its shard of the state's: a
-    leaf replicated over the data axes, or sharded over them and reduced per micro-batch."""
-    return self.dim is None or per_microbatch
+    # A psum and a slice (twice the bytes) for a model-sharded leaf, and on a mesh with other
+    # Explicit axes, where JAX 0.12 cannot lower the reduce-scatter (docs/architecture.md).
+    if self.model or _explicit(getattr(jax.typeof(g).sharding, "mesh", None)):
+      return self.take(jax.lax.psum(g, self.names))
+    return jax.lax.psum_scatter(g, self.names, scatter_dimension=self.dim, tiled=True)
 
   def seed(self, acc: jax.Array, factor: int) -> jax.Array:
-    """Where this device's scan starts from its shard ``acc`` of the sums so far (zeros, or a
-    window left open by streaming calls): ``acc * factor`` on the first device of the data
-    axes the sums are then summed over (``rest``), zeros on the others, so that the reduction
-    counts it once. Elementwise, so XLA writes it over ``acc`` when the state is donated."""
+    """This device's start from its shard ``acc`` of the sums so far (zeros, or an open window):
+    ``acc * factor`` on the first device of ``rest``, zeros on the others, so the reduction over
+    ``rest`` counts it once. Elementwise: XLA writes it over a donated ``acc``."""
     share = acc if factor == 1 else acc * factor
     if not self.rest:
       return share
-    first = jax.lax.axis_index(self.rest if len(self.rest) > 1 else self.rest[0]) == 0
-    return jnp.where(first, share, jnp.zeros_like(acc))
+    return jnp.where(jax.lax.axis_index(self.rest) == 0, share, jnp.zeros_like(acc))
 
   def take(self, g: jax.Array) -> jax.Array:
     """This device's shard of a full, already summed ``g``."""
     size = g.shape[self.dim] // self.parts
-    return jax.lax.dynamic_slice_in_dim(g, self._index() * size, size, self.dim)
+    return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(self.names) * size, size, self.dim)
 
 
 def leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
   """One plan per params leaf from ``dp.param_specs`` (a pytree prefix of the params)."""
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  if dp.param_specs is None:
-    return [_LeafPlan(P(), None, (), dp.axes) for _ in leaves]
   try:
     specs = jax.tree.broadcast(
       dp.param_specs, params, is_leaf=lambda s: s is None or isinstance(s, P)
@@ -268,7 +244,7 @@ def leaf_plans(dp: DataParallel, params: Any) -> list[_LeafPlan]:
   specs = jax.tree.structure(params).flatten_up_to(specs)
   return [
     _leaf_plan(dp, jax.tree_util.keystr(path) or "params", jnp.shape(x), spec)
-    for (path, x), spec in zip(leaves, specs, strict=True)
+    for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs, strict=True)
   ]
 
 
@@ -278,8 +254,7 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
     raise TypeError(f"param_specs for {name} must be a PartitionSpec or None, got {spec!r}.")
   if len(spec) > len(shape):
     raise ValueError(f"param_specs for {name} is {spec}, longer than its shape {shape}.")
-  mesh_axes = dp.mesh.axis_names
-  unknown = [n for e in spec for n in _names(e) if n not in mesh_axes]
+  unknown = [n for e in spec for n in _names(e) if n not in dp.mesh.axis_names]
   if unknown:
     raise ValueError(
       f"param_specs for {name} is {spec}: {', '.join(map(repr, unknown))} is not an axis of"
@@ -334,54 +309,36 @@ def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PerMicrobatch:
-  """``gather_params="per_microbatch"`` inside the scan (a hook of ``local_sums``): the
-  params come in as shards; each micro-batch gathers them, and its gradient is
-  reduce-scattered into the sharded accumulator (:class:`ScatteredSums`)."""
+  """``gather_params="per_microbatch"``, a hook of ``local_sums``: each micro-batch gathers the
+  params' shards, and its gradient is reduce-scattered (:class:`ScatteredSums`)."""
 
   plans: tuple[_LeafPlan, ...]
   axes: tuple[str, ...]
 
   def gather(self, params: Any, index: jax.Array) -> Any:
-    """The full params for micro-batch ``index`` (tied to it: XLA would otherwise hoist the
-    loop-invariant gathers out of the loop and keep the full params for the whole window)."""
+    """The full params for micro-batch ``index``, tied to it: XLA would otherwise hoist the
+    gathers out of the loop and hold the full params all window."""
     params, _ = jax.lax.optimization_barrier((params, index))
-    leaves = [p.gather(x) for x, p in zip(jax.tree.leaves(params), self.plans, strict=True)]
-    return to_varying(jax.tree.structure(params).unflatten(leaves), self.axes)
-
-  def reduce(self, grads: Any) -> Any:
-    leaves = [
-      g if p.dim is None else p.scatter(g)
-      for g, p in zip(jax.tree.leaves(grads), self.plans, strict=True)
-    ]
-    return jax.tree.structure(grads).unflatten(leaves)
+    return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
   def wrap(self, unit: SumsUnit) -> ScatteredSums:
-    return ScatteredSums(unit, self.reduce)
+    return ScatteredSums(unit.weighting, self.plans)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScatteredSums:
-  """:class:`SumsUnit` whose gradient sums are reduce-scattered every micro-batch.
+class ScatteredSums(SumsUnit):
+  """:class:`SumsUnit` whose gradient sums are reduce-scattered every micro-batch: ``w_i g_i``
+  (0 for ``w_i <= 0``) is reduced before it is added, so each device's weight multiplies its own
+  gradient; the loss, weight and aux sums stay local."""
 
-  The micro-batch's weighted, guarded gradient (``w_i g_i``, 0 for a weight <= 0, in the
-  accumulator's dtype) is reduced before it is added, so each device's weight multiplies its
-  own gradient; the loss, weight and aux sums stay local, as in :class:`SumsUnit`.
-  """
-
-  unit: SumsUnit
-  reduce: Callable[[Any], Any]
-
-  def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
-    return self.unit.init(acc_init, loss_like, aux_like)
-
-  def finish(self, s: Sums, num: Any) -> Sums:
-    return self.unit.finish(s, num)
+  plans: tuple[_LeafPlan, ...]
 
   def update(self, s: Sums, m: Micro) -> Sums:
-    rest = self.unit.update(s._replace(grads=()), m._replace(grads=()))
+    rest = super().update(s._replace(grads=()), m._replace(grads=()))
     zeros = jax.tree.map(lambda g, a: jnp.zeros(jnp.shape(g), a.dtype), m.grads, s.grads)
-    weighted = self.unit.weighting.add(zeros, m.grads, m.weight)
-    return rest._replace(grads=jax.tree.map(jnp.add, s.grads, self.reduce(weighted)))
+    weighted = self.weighting.add(zeros, m.grads, m.weight)
+    reduced = _per_leaf(lambda g, p: g if p.dim is None else p.scatter(g), weighted, self.plans)
+    return rest._replace(grads=jax.tree.map(jnp.add, s.grads, reduced))
 
 
 def reduce_over_data(
@@ -389,11 +346,10 @@ def reduce_over_data(
 ) -> tuple[list[jax.Array], Any]:
   """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes.
 
-  One ``psum`` (one tuple all-reduce) of ``extra`` and of the gradients of params replicated
-  over the data axes, and of data-and-model-sharded ones (then each device keeps its shard);
-  one reduce-scatter per param sharded over data axes only. ``scattered``: the sharded
-  gradients were reduced over their data axes in the loop already (``"per_microbatch"``);
-  they are summed over the data axes they are replicated over.
+  One tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
+  sharded over data and model axes (each device keeps its shard), one reduce-scatter per param
+  sharded over data axes only. ``scattered``: those were reduced in the loop (per micro-batch)
+  and are only summed over the data axes they are replicated over.
   """
   whole = [p.dim is None or (p.model and not scattered) for p in plans]
   summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
@@ -423,11 +379,10 @@ def over_mesh(
   num_real: jax.Array | None,
   in_buffer: bool = False,
 ) -> Any:
-  """Runs ``local_sums`` (the single-device scan, returning a ``Window``) on every device's
-  rows under ``shard_map``, then reduces once (:func:`reduce_over_data`; model state with
-  :func:`reduce_state`). Returns the whole batch's ``Window``, its gradients added to
-  ``acc_init``: with ``in_buffer``, in the scan, where a device's accumulator is its share of
-  ``acc_init`` (``_LeafPlan.seeds``); after the reduction otherwise."""
+  """Runs ``local_sums`` (the single-device scan, returning a ``Window``) on every device's rows
+  under ``shard_map``, then reduces once (:func:`reduce_over_data`, :func:`reduce_state`).
+  Returns the batch's ``Window``, its gradients added to ``acc_init``: with ``in_buffer`` in the
+  scan, where a device starts from its share of ``acc_init``; else after the reduction."""
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
@@ -441,12 +396,14 @@ def over_mesh(
   ]
   treedef = jax.tree.structure(params)
   acc_leaves = jax.tree.leaves(acc_init)
-  seeded = [in_buffer and p.seeds(per_mb) for p in plans]
+  # Seeded: a device's scan starts from its shard of the accumulator, shaped like its sums (a
+  # leaf replicated over the data axes, or sharded over them and reduced per micro-batch).
+  seeded = [in_buffer and (p.dim is None or per_mb) for p in plans]
   seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
   seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
   static = {}  # the single-device Window, for its fields that need no reduction
   per_device = functools.partial(
-    _per_device, dp, plans, treedef, local_sums, weighting, acc_leaves, seeded, static
+    _per_device, dp, plans, local_sums, weighting, acc_leaves, seeded, static
   )
   args = (params, batch, rng, model_state, scale, num_real)
   args, seeds = _laid_out(dp, plans, args, seeds, seed_plans)
@@ -454,7 +411,8 @@ def over_mesh(
     per_device,
     mesh=dp.mesh,
     in_specs=(
-      treedef.unflatten([p.in_spec for p in plans]), dp.batch_spec, P(), P(), P(), P(),
+      treedef.unflatten([P() if p.outside else p.manual for p in plans]), dp.batch_spec,
+      P(), P(), P(), P(),
       tuple(p.manual for p in seed_plans),
     ),
     out_specs=(Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P()),
@@ -471,27 +429,23 @@ def over_mesh(
   )
 
 
-def _per_device(dp, plans, treedef, local_sums, weighting, acc_leaves, seeded, static,
+def _per_device(dp, plans, local_sums, weighting, acc_leaves, seeded, static,
                 params, batch, rng, model_state, scale, num_real, seeds):  # fmt: skip
   """``over_mesh``'s body on one device: its rows' scan, then the reduction over devices."""
-  per_mb = dp.gather == "per_microbatch"
-  leaves = jax.tree.leaves(params)
+  per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
   if not per_mb:  # gathered once, before the scan
-    leaves = [x if p.outside else p.gather(x) for x, p in zip(leaves, plans, strict=True)]
+    params = _per_leaf(lambda x, p: x if p.outside else p.gather(x), params, plans)
   if rng is not None:
     rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
-  # Zeros like the params the gradients come from (on an explicit mesh, with their model
-  # sharding in the type, as the scan's carry must), or this device's share of the seeds.
+  # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
+  # or this device's share of the seeds.
   it, factor = iter(seeds), weighting.seed_factor(dp.size)
   acc0 = treedef.unflatten([
     p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
-    for x, a, p, s in zip(leaves, acc_leaves, plans, seeded, strict=True)
+    for x, a, p, s in zip(jax.tree.leaves(params), acc_leaves, plans, seeded, strict=True)
   ])  # fmt: skip
   hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
-  w = local_sums(
-    treedef.unflatten(leaves), batch, rng, acc0, model_state, scale, num_real, dp.axes,
-    per_micro=hook,
-  )  # fmt: skip
+  w = local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, per_micro=hook)
   static["window"] = w
   grads, (sums, noise) = reduce_over_data(
     plans, jax.tree.leaves(w.sums.grads), (w.sums._replace(grads=()), w.noise), dp.axes, per_mb
@@ -502,26 +456,21 @@ def _per_device(dp, plans, treedef, local_sums, weighting, acc_leaves, seeded, s
 
 
 def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_plans: list) -> tuple:
-  """``over_mesh``'s arguments placed as its ``shard_map`` takes them: params gathered over the
-  data axes where GSPMD gathers them (``outside``); on an explicit mesh, everything laid out
-  as the in_specs say, the rest (model state, keys, scalars) replicated over the data axes
-  only (model state sharded over a model axis keeps it, as the scan carry must)."""
-  mesh, explicit = dp.mesh, any(t == AxisType.Explicit for t in dp.mesh.axis_types)
+  """``over_mesh``'s arguments laid out for its ``shard_map``: the params as ``_LeafPlan.layout``;
+  on an explicit mesh all as the in_specs say, the rest replicated over the data axes only."""
+  mesh, explicit = dp.mesh, _explicit(dp.mesh)
   params, batch, *rest = args
   if explicit or any(p.outside for p in plans):
-    leaves = [place(x, mesh, p.layout) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
-    params = jax.tree.structure(params).unflatten(leaves)
-  if not explicit:
-    return (params, batch, *rest), seeds
-  batch = jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), batch)
-  rest = [jax.tree.map(lambda x: place(x, mesh, off_data(x, dp.axes)), a) for a in rest]
-  seeds = tuple(place(a, mesh, p.layout) for a, p in zip(seeds, seed_plans, strict=True))
+    params = _per_leaf(lambda x, p: place(x, mesh, p.layout), params, plans)
+  if explicit:
+    batch = jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), batch)
+    rest = [jax.tree.map(lambda x: place(x, mesh, off_data(x, dp.axes)), a) for a in rest]
+    seeds = tuple(place(a, mesh, p.layout) for a, p in zip(seeds, seed_plans, strict=True))
   return (params, batch, *rest), seeds
 
 
 def reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
-  """Float leaves averaged over the devices where they differ; integer, bool (and PRNG key)
-  leaves maxed."""
+  """Float leaves averaged over the devices where they differ; int, bool and key leaves maxed."""
 
   def reduce(x):
     vary = tuple(a for a in axes if a in varying_axes(x))
@@ -544,6 +493,4 @@ def place_params(dp: DataParallel | None, tree: Any) -> Any:
   """Constrains a params-shaped ``tree`` to the params' sharding (replicated by default)."""
   if dp is None:
     return tree
-  specs = [p.spec for p in leaf_plans(dp, tree)]
-  leaves = [place(x, dp.mesh, s) for x, s in zip(jax.tree.leaves(tree), specs, strict=True)]
-  return jax.tree.structure(tree).unflatten(leaves)
+  return _per_leaf(lambda x, p: place(x, dp.mesh, p.spec), tree, leaf_plans(dp, tree))
