@@ -21,10 +21,10 @@ from gradaccum_jax._accumulate import (
   zeros_like_output,
 )
 from gradaccum_jax._checks import check_batch, is_inexact
-from gradaccum_jax._microbatch import MicrobatchedGrad, safe_mean
+from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Sums, keep_if_voided, sum_dtype
+from gradaccum_jax._parts import Sums, keep_if_voided, safe_mean, sum_dtype
 from gradaccum_jax._sharding import (
   DataParallel,
   leaf_plans,
