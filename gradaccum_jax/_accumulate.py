@@ -187,14 +187,20 @@ def _on_the_params_mesh(state: Any, params: Params) -> Any:
   """``state`` with every concrete array that is not on the params' mesh (the counters, the
   inner optimizer's own ``count``) placed there, replicated: a checkpoint restored onto
   ``tx.init(params)``'s shardings then finds every leaf on one set of devices."""
-  concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # noqa: E731
-  named = lambda x: concrete(x) and isinstance(x.sharding, jax.sharding.NamedSharding)  # noqa: E731
+
+  def concrete(x):
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+  def named(x):
+    return concrete(x) and isinstance(x.sharding, jax.sharding.NamedSharding)
+
   meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if named(x)]
   if not meshes:
     return state
   replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
-  place = lambda x: jax.device_put(x, replicated) if concrete(x) and not named(x) else x  # noqa: E731
-  return jax.tree.map(place, state)
+  return jax.tree.map(
+    lambda x: jax.device_put(x, replicated) if concrete(x) and not named(x) else x, state
+  )
 
 
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
