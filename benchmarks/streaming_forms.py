@@ -1,14 +1,15 @@
 """Compiled memory of one streaming call (jax.grad + an accumulating update + apply), written
-five ways by hand, beside the plain micro-batch step and ``tx.update``: the forms a window's
+six ways by hand, beside the plain micro-batch step and ``tx.update``: the forms a window's
 close can take in one XLA program, and what each holds.
 
 Every program is compiled on shapes (nothing runs) and read with ``memory_analysis()``
-(deterministic). The inner optimizer is sgd (``-lr * mean``), so any difference is the form's.
-The state is ``(accumulator, micro-step count)``; A is one float32 copy of the params.
+(deterministic). Every form calls the same optax inner optimizer (sgd or adam) on the mean,
+so any difference is the form's. The state is ``(accumulator, micro-step count, inner
+state)``; A is one float32 copy of the params.
 
-  plain      jax.grad then params - lr * g (the accumulator passed through, for the same
+  plain      jax.grad then the inner update on g (the accumulator passed through, for the same
              arguments)
-  ga         jax.grad + ga.accumulate(optax.sgd).update, then optax.apply_updates
+  ga         jax.grad + ga.accumulate(inner).update, then optax.apply_updates
   branch     the sums added before a lax.cond that returns the updates (zeros when held) and
              a flag that it closed; the accumulator zeroed by a select on that flag after it
              (ga's form)
@@ -21,7 +22,7 @@ The state is ``(accumulator, micro-step count)``; A is one float32 copy of the p
              today), so a call inside the window runs the inner optimizer
   lazy       the sums returned as they are after a close, zeroed at the next call's add
 
-  python benchmarks/streaming_forms.py [--model mlp|lm]
+  python benchmarks/streaming_forms.py [--model mlp|lm] [--inner sgd|adam]
 """
 
 from __future__ import annotations
@@ -40,74 +41,91 @@ import memory_floor  # noqa: E402
 import gradaccum_jax as ga  # noqa: E402
 
 K, LR = 8, 0.1
+INNERS = {"sgd": lambda: optax.sgd(LR), "adam": lambda: optax.adam(LR)}
 
 
 def _tree(fn, *trees):
   return jax.tree.map(fn, *trees)
 
 
-def forms(loss_fn):
+def forms(loss_fn, inner):
+  """The close written by hand in each form; the state is ``(accumulator, count, inner state)``."""
+
   def plain(p, s, mb):
-    return _tree(lambda a, g: a - LR * g, p, jax.grad(loss_fn)(p, mb)), s
+    updates, inner_state = inner.update(jax.grad(loss_fn)(p, mb), s[2], p)
+    return optax.apply_updates(p, updates), (*s[:2], inner_state)
 
   def start(p, s, mb):
-    acc, n = s
-    return acc, n + 1, jax.grad(loss_fn)(p, mb)
+    acc, n, inner_state = s
+    return acc, n + 1, inner_state, jax.grad(loss_fn)(p, mb)
 
-  def update(sums, n):
-    return _tree(lambda x: -LR * x / n, sums)
+  def update(sums, n, inner_state, p):
+    return inner.update(_tree(lambda x: x / n, sums), inner_state, p)
 
   def zeros(tree):
     return _tree(jnp.zeros_like, tree)
 
+  def out(p, updates, acc, n, inner_state):
+    return optax.apply_updates(p, updates), (acc, jnp.where(n >= K, 0, n), inner_state)
+
   def branch(p, s, mb):
-    acc, n, g = start(p, s, mb)
+    acc, n, inner_state, g = start(p, s, mb)
     sums = _tree(jnp.add, acc, g)
-    closed, updates = jax.lax.cond(
-      n >= K, lambda x, n: (True, update(x, n)), lambda x, n: (False, zeros(x)), sums, n
-    )
+    closed, updates, inner_state = jax.lax.cond(
+      n >= K,
+      lambda *a: (True, *update(*a)),
+      lambda x, n, st, p: (False, zeros(x), st),
+      sums, n, inner_state, p,
+    )  # fmt: skip
     acc = _tree(lambda x: jnp.where(closed, 0.0, x), sums)
-    return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
+    return out(p, updates, acc, n, inner_state)
 
   def early(p, s, mb):
-    acc, n, g = start(p, s, mb)
+    acc, n, inner_state, g = start(p, s, mb)
     sums = _tree(jnp.add, acc, g)
-    updates = jax.lax.cond(n >= K, update, lambda x, n: zeros(x), sums, n)
+    hold = lambda x, n, st, p: (zeros(x), st)  # noqa: E731
+    updates, inner_state = jax.lax.cond(n >= K, update, hold, sums, n, inner_state, p)
     acc = _tree(lambda x: jnp.where(n >= K, 0.0, x), sums)
-    return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
+    return out(p, updates, acc, n, inner_state)
 
   def cond_acc(p, s, mb):
-    acc, n, g = start(p, s, mb)
+    acc, n, inner_state, g = start(p, s, mb)
     sums = _tree(jnp.add, acc, g)
-    updates, acc = jax.lax.cond(
-      n >= K, lambda x, n: (update(x, n), zeros(x)), lambda x, n: (zeros(x), x), sums, n
-    )
-    return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
+    updates, inner_state, acc = jax.lax.cond(
+      n >= K,
+      lambda x, n, st, p: (*update(x, n, st, p), zeros(x)),
+      lambda x, n, st, p: (zeros(x), st, x),
+      sums, n, inner_state, p,
+    )  # fmt: skip
+    return out(p, updates, acc, n, inner_state)
 
   def in_branch(p, s, mb):
-    acc, n, g = start(p, s, mb)
+    acc, n, inner_state, g = start(p, s, mb)
 
-    def close(acc, g, n):
-      return update(_tree(jnp.add, acc, g), n), zeros(acc)
+    def close(acc, g, n, st, p):
+      return *update(_tree(jnp.add, acc, g), n, st, p), zeros(acc)
 
-    def hold(acc, g, n):
-      return zeros(acc), _tree(jnp.add, acc, g)
+    def hold(acc, g, n, st, p):
+      return zeros(acc), st, _tree(jnp.add, acc, g)
 
-    updates, acc = jax.lax.cond(n >= K, close, hold, acc, g, n)
-    return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
+    updates, inner_state, acc = jax.lax.cond(n >= K, close, hold, acc, g, n, inner_state, p)
+    return out(p, updates, acc, n, inner_state)
 
   def selects(p, s, mb):
-    acc, n, g = start(p, s, mb)
+    acc, n, inner_state, g = start(p, s, mb)
     sums = _tree(jnp.add, acc, g)
-    updates = _tree(lambda u: jnp.where(n >= K, u, 0.0), update(sums, n))
+    updates, new_state = update(sums, n, inner_state, p)
+    updates = _tree(lambda u: jnp.where(n >= K, u, 0.0), updates)
+    inner_state = _tree(lambda a, b: jnp.where(n >= K, a, b), new_state, inner_state)
     acc = _tree(lambda x: jnp.where(n >= K, 0.0, x), sums)
-    return _tree(jnp.add, p, updates), (acc, jnp.where(n >= K, 0, n))
+    return out(p, updates, acc, n, inner_state)
 
   def lazy(p, s, mb):
-    acc, n, g = start(p, s, mb)
+    acc, n, inner_state, g = start(p, s, mb)
     sums = _tree(lambda a, g: jnp.where(n == 1, 0.0, a) + g, acc, g)  # n == 1: a new window
-    updates = jax.lax.cond(n >= K, update, lambda x, n: zeros(x), sums, n)
-    return _tree(jnp.add, p, updates), (sums, jnp.where(n >= K, 0, n))
+    hold = lambda x, n, st, p: (zeros(x), st)  # noqa: E731
+    updates, inner_state = jax.lax.cond(n >= K, update, hold, sums, n, inner_state, p)
+    return out(p, updates, sums, n, inner_state)
 
   return {
     "plain": plain,
@@ -120,27 +138,29 @@ def forms(loss_fn):
   }
 
 
-def measure(model: str = "mlp") -> dict[str, dict[str, float]]:
+def measure(model: str = "mlp", inner_name: str = "sgd") -> dict[str, dict[str, float]]:
   """``{form: {"temp": ..., "peak": ..., "temp_undonated": ..., "peak_undonated": ...}}`` in A."""
   params, loss_fn, micro = memory_floor.MODELS[model]()
   a = sum(x.size * 4 for x in jax.tree.leaves(params))
-  tx = ga.accumulate(optax.sgd(LR), K)
+  inner = INNERS[inner_name]()
+  tx = ga.accumulate(inner, K)
 
   def ga_step(p, s, mb):
     updates, s = tx.update(jax.grad(loss_fn)(p, mb), s, p)
     return optax.apply_updates(p, updates), s
 
-  state = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32))
-  programs = {name: (fn, state) for name, fn in forms(loss_fn).items()}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  state = (zeros, jnp.zeros((), jnp.int32), jax.eval_shape(inner.init, params))
+  programs = {name: (fn, state) for name, fn in forms(loss_fn, inner).items()}
   programs["ga"] = (ga_step, jax.eval_shape(tx.init, params))
   out = {}
   for name, (fn, s) in programs.items():
     row = {}
     for donate, tag in ((True, ""), (False, "_undonated")):
       jitted = jax.jit(fn, donate_argnums=(0, 1) if donate else ())
-      m = jitted.lower(params, s, micro).compile().memory_analysis()
-      row["temp" + tag] = m.temp_size_in_bytes / a
-      row["peak" + tag] = memory_floor.peak(jitted.lower(params, s, micro).compile()) / a
+      compiled = jitted.lower(params, s, micro).compile()
+      row["temp" + tag] = compiled.memory_analysis().temp_size_in_bytes / a
+      row["peak" + tag] = memory_floor.peak(compiled) / a
     out[name] = row
   return out
 
@@ -148,9 +168,12 @@ def measure(model: str = "mlp") -> dict[str, dict[str, float]]:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="mlp", choices=sorted(memory_floor.MODELS))
+  parser.add_argument("--inner", default="sgd", choices=sorted(INNERS))
   args = parser.parse_args(argv)
-  rows = measure(args.model)
-  print(f"{args.model}, sgd, k = {K}; jax {jax.__version__}, {jax.devices()[0].platform}; in A")
+  rows = measure(args.model, args.inner)
+  print(
+    f"{args.model}, {args.inner}, k = {K}; jax {jax.__version__}, {jax.devices()[0].platform}; in A"
+  )
   print("| form | temp | peak | temp undonated | peak undonated |\n|---|---|---|---|---|")
   for name, r in rows.items():
     cells = (r["temp"], r["peak"], r["temp_undonated"], r["peak_undonated"])
