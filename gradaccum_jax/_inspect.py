@@ -294,8 +294,7 @@ def check_step(
   """Runs one window of a built step on copies of its arguments and compares the new params with
   the single-device whole-batch update by the same inner optimizer.
 
-  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one
-  device; :class:`StepCheck` holds each leaf's distance to it, relative to ``|p_ref - p|``.
+  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one device.
   Check gradient scales with SGD: Adam's first update is about ``lr * sign(g)`` (docs/verifying.md).
 
   Args:
