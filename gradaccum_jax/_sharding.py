@@ -1,10 +1,9 @@
 """Data-parallel and sharded-parameter accumulation: one reduction per window.
 
-The scan runs under ``jax.shard_map`` over the data axes only (other axes stay GSPMD's) on each
-device's rows, params device-varying so the loop has no collective; one ``psum`` follows it. FSDP
-params are gathered and their gradients reduce-scattered once or per micro-batch
-(``gather_params``). See docs/data_parallel.md and docs/architecture.md.
-"""
+Each device scans its rows under ``jax.shard_map`` over the data axes only (others stay GSPMD's),
+params device-varying so the loop has no collective; one ``psum`` follows. FSDP params gather,
+and their gradients reduce-scatter, once or per micro-batch (``gather_params``). See
+docs/data_parallel.md and docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -163,9 +162,7 @@ class _LeafPlan:
   rest: tuple[str, ...]  # the data axes the leaf is replicated over
   parts: int = 1  # devices along ``names``
   model: bool = False  # whether the spec also names non-data (model) axes
-  # Gathered over the data axes by GSPMD before the shard_map (keeping its model sharding:
-  # XLA replicates a manual all-gather's operand over the model axes), summed over them after.
-  outside: bool = False
+  outside: bool = False  # gathered by GSPMD before the shard_map (see gather), summed after
 
   @property
   def manual(self) -> P:
@@ -327,13 +324,11 @@ class ScatteredSums(SumsUnit):
 def reduce_over_data(
   plans: list[_LeafPlan], grads: list[jax.Array], extra: Any, axes: tuple[str, ...], scattered: bool
 ) -> tuple[list[jax.Array], Any]:
-  """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes.
-
-  One tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
+  """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes:
+  one tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
   sharded over data and model axes (each device keeps its shard), one reduce-scatter per param
-  sharded over data axes only. ``scattered``: those were reduced in the loop (per micro-batch)
-  and are only summed over the data axes they are replicated over.
-  """
+  sharded over data axes only, unless ``scattered`` (reduced in the loop, per micro-batch): then
+  only summed over the data axes it is replicated over."""
   whole = [p.dim is None or (p.model and not scattered) for p in plans]
   summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
   it, out = iter(summed), []
