@@ -19,10 +19,6 @@ from jax.flatten_util import ravel_pytree
 
 import gradaccum_jax as ga
 
-_EXTRA_HINT = (
-  'the demo needs scikit-learn, matplotlib and tqdm: pip install "gradaccum_jax[examples]"'
-  ' (in a clone of the repository: pip install -e ".[examples]")'
-)
 TOLERANCE = 1e-3
 
 
@@ -61,11 +57,6 @@ def make_windows(x, y, steps, rows, seed):
   return [{"x": x[idx], "y": y[idx]} for idx in order[: steps * rows].reshape(steps, rows)]
 
 
-def main(argv: list[str] | None = None) -> int:
-  with jax.default_matmul_precision("float32"):  # not TF32-like: runs differ by summation order
-    return _main(argv)
-
-
 def _positive(kind, text):
   """An argparse ``type`` (``kind`` bound): a finite number above zero, or an error naming it."""
   try:
@@ -96,58 +87,60 @@ def _parse(argv):
   return parser.parse_args(argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def main(argv: list[str] | None = None) -> int:
   args = _parse(argv)
   try:
     import matplotlib
     import sklearn  # noqa: F401
     from tqdm import tqdm
   except ImportError as e:
-    print(f"error: {_EXTRA_HINT} ({e})", file=sys.stderr)
+    hint = 'pip install "gradaccum_jax[examples]" (in a clone: pip install -e ".[examples]")'
+    print(f"error: the demo needs scikit-learn, matplotlib and tqdm: {hint} ({e})", file=sys.stderr)
     raise SystemExit(2) from None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  k, b, rows = args.k, args.microbatch_size, args.k * args.microbatch_size
-  x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
-  windows = make_windows(x_tr, y_tr, args.steps, rows, args.seed)
-  micro = [[{n: a[i * b : (i + 1) * b] for n, a in w.items()} for i in range(k)] for w in windows]
-  windows, micro = jax.device_put(([[w] for w in windows], micro))
-  params0 = jax.device_put(init_params(args.seed, (x_tr.shape[1], args.hidden, args.hidden, 10)))
-  print(
-    f"gradaccum_jax {ga.__version__} on {jax.devices()[0].platform} (jax {jax.__version__}):"
-    f" digits ({len(x_tr)} train / {len(x_te)} test), MLP 64-{args.hidden}-{args.hidden}-10,"
-    f" {args.steps} adam updates of {rows} = {k} x {b} rows"
-  )
-  big, multi = optax.adam(args.lr), optax.MultiSteps(optax.adam(args.lr), every_k_schedule=k)
-  tx = ga.accumulate(optax.adam(args.lr), k)
-  accum = ga.train_step(loss_fn, tx, has_aux=True)  # one program: a scan over k, one update
-  runs = {  # name: (jitted step, initial state, each window's batches)
-    f"plain batch of {rows}": (_optax_step(big), big.init(params0), windows),
-    f"ga.train_step {k} x {b}": (accum, tx.init(params0), windows),
-    f"optax.MultiSteps {k} x {b}": (_optax_step(multi), multi.init(params0), micro),
-  }
-  show = not args.quiet and sys.stderr.isatty()
-  results = {
-    name: _run(*run, params0, functools.partial(tqdm, desc=name, disable=not show, leave=False))
-    for name, run in runs.items()
-  }
-  print("\n| run | final train loss | test accuracy | ms / window (median) |\n|---|---|---|---|")
-  for name, (params, _, ms) in results.items():
-    train_loss = float(loss_fn(params, {"x": x_tr, "y": y_tr})[0])
-    test_acc = float(loss_fn(params, {"x": x_te, "y": y_te})[1]["accuracy"])
-    print(f"| {name} | {train_loss:.4f} | {test_acc:.4f} | {ms:.2f} |")
-  (ref_name, (ref, _, _)), *others = results.items()
-  print(f"\nrelative parameter difference to the {ref_name} after {args.steps} updates:")
-  flat = lambda tree: np.asarray(ravel_pytree(tree)[0], np.float64)  # noqa: E731
-  ref, agree = flat(ref), True
-  for name, (params, _, _) in others:
-    rel = float(np.linalg.norm(flat(params) - ref) / np.linalg.norm(ref))  # global L2 norms
-    agree &= rel < TOLERANCE
-    print(f"  {name}: {rel:.1e} ({'ok' if rel < TOLERANCE else 'TOO LARGE'})")
-  print(f"-> {'the runs agree' if agree else 'THE RUNS DISAGREE'} (tolerance {TOLERANCE:.0e})")
-  print(f"loss curves: {_plot_losses(results, args, plt)}")
-  return 0 if agree else 1
+  with jax.default_matmul_precision("float32"):  # not TF32-like: runs differ by summation order
+    k, b, rows = args.k, args.microbatch_size, args.k * args.microbatch_size
+    x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
+    windows = make_windows(x_tr, y_tr, args.steps, rows, args.seed)
+    micro = [[{n: a[i * b : (i + 1) * b] for n, a in w.items()} for i in range(k)] for w in windows]
+    windows, micro = jax.device_put(([[w] for w in windows], micro))
+    params0 = jax.device_put(init_params(args.seed, (x_tr.shape[1], args.hidden, args.hidden, 10)))
+    print(
+      f"gradaccum_jax {ga.__version__} on {jax.devices()[0].platform} (jax {jax.__version__}):"
+      f" digits ({len(x_tr)} train / {len(x_te)} test), MLP 64-{args.hidden}-{args.hidden}-10,"
+      f" {args.steps} adam updates of {rows} = {k} x {b} rows"
+    )
+    big, multi = optax.adam(args.lr), optax.MultiSteps(optax.adam(args.lr), every_k_schedule=k)
+    tx = ga.accumulate(optax.adam(args.lr), k)
+    accum = ga.train_step(loss_fn, tx, has_aux=True)  # one program: a scan over k, one update
+    runs = {  # name: (jitted step, initial state, each window's batches)
+      f"plain batch of {rows}": (_optax_step(big), big.init(params0), windows),
+      f"ga.train_step {k} x {b}": (accum, tx.init(params0), windows),
+      f"optax.MultiSteps {k} x {b}": (_optax_step(multi), multi.init(params0), micro),
+    }
+    hide = args.quiet or not sys.stderr.isatty()
+    results = {
+      name: _run(*run, params0, functools.partial(tqdm, desc=name, disable=hide, leave=False))
+      for name, run in runs.items()
+    }
+    print("\n| run | final train loss | test accuracy | ms / window (median) |\n|---|---|---|---|")
+    for name, (params, _, ms) in results.items():
+      train_loss = float(loss_fn(params, {"x": x_tr, "y": y_tr})[0])
+      test_acc = float(loss_fn(params, {"x": x_te, "y": y_te})[1]["accuracy"])
+      print(f"| {name} | {train_loss:.4f} | {test_acc:.4f} | {ms:.2f} |")
+    (ref_name, (ref, _, _)), *others = results.items()
+    print(f"\nrelative parameter difference to the {ref_name} after {args.steps} updates:")
+    flat = lambda tree: np.asarray(ravel_pytree(tree)[0], np.float64)  # noqa: E731
+    ref, agree = flat(ref), True
+    for name, (params, _, _) in others:
+      rel = float(np.linalg.norm(flat(params) - ref) / np.linalg.norm(ref))  # global L2 norms
+      agree &= rel < TOLERANCE
+      print(f"  {name}: {rel:.1e} ({'ok' if rel < TOLERANCE else 'TOO LARGE'})")
+    print(f"-> {'the runs agree' if agree else 'THE RUNS DISAGREE'} (tolerance {TOLERANCE:.0e})")
+    print(f"loss curves: {_plot_losses(results, args, plt)}")
+    return 0 if agree else 1
 
 
 def _optax_step(tx):

@@ -139,34 +139,33 @@ def check_equivalence(
   check_batch(batch, k)
   vg = jax.jit(jax.value_and_grad(loss_fn, has_aux=bool(has_aux)))
 
-  def split(out):  # (loss, grads), without aux
-    return (out[0][0] if has_aux else out[0]), out[1]
+  def split(out):  # (loss as a float, grads), without aux
+    return float(out[0][0] if has_aux else out[0]), out[1]
 
   extra = () if rng is None else (rng,)
   keys = [() if rng is None else (jax.random.fold_in(rng, i),) for i in range(k)]
   loss_acc, g_acc = split(jax.jit(acc_fn)(params, batch, *extra))
   if mesh is not None:  # the reference is the single-device whole batch, via the host
-    params, batch, loss_acc, g_acc = jax.device_put(
-      jax.tree.map(np.asarray, (params, batch, loss_acc, g_acc)), jax.devices()[0]
+    params, batch, g_acc = jax.device_put(
+      jax.tree.map(np.asarray, (params, batch, g_acc)), jax.devices()[0]
     )
   loss_whole, g_whole = split(vg(params, batch, *extra))
   mbs = [microbatch(batch, i, k) for i in range(k)]  # in ga's order: rows i, i + k, ...
   micro = [split(vg(params, mb, *key)) for mb, key in zip(mbs, keys, strict=True)]
-  losses, grads = np.array([float(loss) for loss, _ in micro]), [g for _, g in micro]
+  losses, grads = zip(*micro, strict=True)
   scale = max(float(max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(g_whole))), 1e-30)
-  loss_whole = float(loss_whole)
   loss_err, grad_err = _rel_errors(loss_acc, g_acc, loss_whole, g_whole, scale)
   g_mean, mom_loss = jax.tree.map(lambda *g: sum(g) / k, *grads), float(np.mean(losses))
   mom_err = max(_rel_errors(mom_loss, g_mean, loss_whole, g_whole, scale))
   ok = bool(loss_err <= rtol and grad_err <= rtol)  # False for a NaN or an Inf
   report = EquivalenceReport(
-    ok, k, weight_fn is not None, float(rtol), loss_whole, float(loss_acc), loss_err, grad_err,
+    ok, k, weight_fn is not None, float(rtol), loss_whole, loss_acc, loss_err, grad_err,
     mom_loss, mom_err,
   )  # fmt: skip
   if ok:
     return report
   if rng is not None:  # micro-batch 0 again, with another key
-    again = float(split(vg(params, mbs[0], jax.random.fold_in(rng, k)))[0])
+    again = split(vg(params, mbs[0], jax.random.fold_in(rng, k)))[0]
     random = abs(again - losses[0]) > rtol * max(abs(losses[0]), 1e-30)
   else:
     random = _traces_differ(loss_fn, params, mbs[0])
@@ -190,7 +189,7 @@ def _rel_errors(loss, grads, loss_whole, g_whole, scale) -> tuple[float, float]:
   diffs = jax.tree.map(
     lambda x, y: jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))), grads, g_whole
   )
-  loss_err = abs(float(loss) - loss_whole) / max(abs(loss_whole), 1e-30)
+  loss_err = abs(loss - loss_whole) / max(abs(loss_whole), 1e-30)
   return loss_err, float(max(jax.tree.leaves(diffs), default=0.0)) / scale
 
 

@@ -4,6 +4,7 @@ one window of it moves the params as the single-device whole-batch update does."
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import re
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ _CALLED = re.compile(
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start|-done)?\(")
 _WHILE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\swhile\(")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype, dims)
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -50,8 +51,7 @@ def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
   """The computations every ``op`` (``while``, ``conditional``) calls, and all they call."""
 
   def called(line: str) -> list[str]:  # loop body and condition, branches, fusions, ...
-    names = [[one] if one else many.split(",") for one, many in _CALLED.findall(line)]
-    return [n.strip().lstrip("%") for group in names for n in group]
+    return [n.strip().lstrip("%") for m in _CALLED.findall(line) for n in "".join(m).split(",")]
 
   stack = [c for lines in comps.values() for ln in lines if f" {op}(" in ln for c in called(ln)]
   seen: set[str] = set()
@@ -65,13 +65,10 @@ def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
 
 def _shapes_and_bytes(result_type: str) -> tuple[tuple[tuple[int, ...], ...], int]:
   """'(f32[16]{0}, bf16[2,3]{1,0})' -> (((16,), (2, 3)), 76): shapes, and bytes of all."""
-  shapes, size = [], 0
-  for dtype, dims in _ARRAY.findall(result_type):
-    shape = tuple(int(d) for d in dims.split(",") if d)
-    bits = re.search(r"\d+", dtype)
-    shapes.append(shape)
-    size += int(np.prod(shape, dtype=np.int64)) * (int(bits.group()) if bits else 8) // 8
-  return tuple(shapes), size
+  arrays = _ARRAY.findall(result_type)
+  shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
+  bits = [int(b or 8) for b, _ in arrays]  # 8 for pred and token
+  return shapes, sum(math.prod(s) * n // 8 for s, n in zip(shapes, bits, strict=True))
 
 
 class Collective(NamedTuple):
@@ -114,8 +111,8 @@ class StepReport:
   """What a compiled step communicates and holds: the result of :func:`inspect_step`.
 
   Attributes:
-    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops, and outside every
-      loop; kinds as in HLO (``KINDS``).
+    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops (the micro-batch scan),
+      and outside every loop; kinds as in HLO (``KINDS``).
     in_loop_bytes, after_loop_bytes: ``{kind: bytes}`` those ops move per execution.
     peak_bytes: per device, temp + arguments + outputs - aliased (None without a memory analysis).
     collectives: every collective op, a ``Collective(kind, name, computation, shapes, bytes,
@@ -142,9 +139,8 @@ class StepReport:
     for comp, lines in comps.items():
       for line in lines:
         if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
-          shapes, size = _shapes_and_bytes(m.group(2))
           where = (comp in loops, comp in branches)
-          found.append(Collective(m.group(3), m.group(1), comp, shapes, size, *where, line.strip()))
+          found.append(Collective(m[3], m[1], comp, *_shapes_and_bytes(m[2]), *where, line.strip()))
         elif m := _WHILE.match(line):
           trips = _TRIPS.search(line)
           whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
@@ -227,9 +223,7 @@ class StepReport:
 def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepReport:
   """Compiles ``step`` on the given arguments, runs nothing, and reports its collectives and memory.
 
-  Each collective op of the compiled HLO, inside the while loops (the micro-batch scan) or outside
-  every loop, with its bytes; the loops' static trip counts; and ``compiled.memory_analysis()``:
-  peak = temp + arguments + outputs - aliased. See docs/verifying.md.
+  The report's fields are listed in :class:`StepReport`; see docs/verifying.md.
 
   Args:
     step: a ``ga`` step, a ``jax.jit`` function (its ``lower`` is used), or a function to jit.
@@ -300,8 +294,7 @@ def check_step(
   """Runs one window of a built step on copies of its arguments and compares the new params with
   the single-device whole-batch update by the same inner optimizer.
 
-  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one
-  device; each leaf's ``max |p_step - p_ref|`` is divided by the largest entry of ``|p_ref - p|``.
+  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one device.
   Check gradient scales with SGD: Adam's first update is about ``lr * sign(g)`` (docs/verifying.md).
 
   Args:

@@ -34,19 +34,19 @@ def scale_learning_rate(
 ) -> float | Callable[[Any], Any]:
   r"""Scales a learning rate tuned at ``base_batch_size`` for a batch of ``batch_size``.
 
-  With :math:`\kappa` = ``batch_size / base_batch_size`` the factor ``f`` is :math:`\kappa`
-  (``"linear"``), :math:`\sqrt{\kappa}` (``"sqrt"``, for Adam-type optimizers, with
-  :func:`scale_adam_hyperparams`) or 1 (``"none"``). With warmup, the learning rate at step
-  ``count`` is ``(f0 + (f - f0) * min(count / warmup_steps, 1)) * lr``, ``f0`` 1 (``"base"``) or
-  0 (``"zero"``). Starting points to tune around (where the rules hold: docs/choosing_k.md).
+  The learning rate is multiplied by a factor ``f`` of :math:`\kappa` = ``batch_size /
+  base_batch_size``; with warmup, at step ``count``, by ``f0 + (f - f0) * min(count /
+  warmup_steps, 1)``. Starting points to tune around (the rules' sources and where they hold:
+  docs/choosing_k.md).
 
   Args:
     learning_rate: a float or an optax schedule, tuned at ``base_batch_size``.
     base_batch_size: the examples per step it was tuned for, a positive int.
     batch_size: the effective batch size (``k * b`` with accumulation), a positive int.
-    rule: ``"linear"``, ``"sqrt"`` or ``"none"``.
+    rule: ``f`` is :math:`\kappa` (``"linear"``), :math:`\sqrt{\kappa}` (``"sqrt"``, for
+      Adam-type optimizers, with :func:`scale_adam_hyperparams`) or 1 (``"none"``).
     warmup_steps: optimizer steps (windows, not micro-batches) of linear warmup; 0 for none.
-    warmup_from: ``"base"`` (from the unscaled learning rate) or ``"zero"``.
+    warmup_from: ``f0`` is 1 (``"base"``, the unscaled learning rate) or 0 (``"zero"``).
 
   Returns:
     A float for a float ``learning_rate`` without warmup, else a schedule ``count -> lr``.
@@ -62,10 +62,6 @@ def scale_learning_rate(
     >>> schedule = ga.scale_learning_rate(0.1, 256, 1024, warmup_steps=100)
     >>> [round(float(schedule(n)), 6) for n in (0, 50, 100, 1000)]
     [0.1, 0.25, 0.4, 0.4]
-
-  References:
-    Goyal et al. 2017, https://arxiv.org/abs/1706.02677; Malladi et al. 2022,
-    https://arxiv.org/abs/2205.10287.
   """
   kappa = _kappa(base_batch_size, batch_size)
   if rule not in _RULES:
@@ -96,7 +92,7 @@ def scale_adam_hyperparams(
 
   :math:`1 - \beta_i \to \kappa (1 - \beta_i)` and :math:`\epsilon \to \epsilon / \sqrt{\kappa}`
   with :math:`\kappa` = ``batch_size / base_batch_size``, for ``kappa * (1 - beta_i) < 1``; the
-  learning rate goes with ``rule="sqrt"`` (derivation and limits: docs/choosing_k.md).
+  learning rate goes with ``rule="sqrt"`` (source, derivation, limits: docs/choosing_k.md).
 
   Args:
     b1, b2: Adam's first- and second-moment decays, in ``[0, 1)``.
@@ -116,9 +112,6 @@ def scale_adam_hyperparams(
     >>> import gradaccum_jax as ga
     >>> [round(x, 12) for x in ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 1024)]
     [0.6, 0.996, 5e-09]
-
-  References:
-    Malladi et al. 2022, https://arxiv.org/abs/2205.10287.
   """
   kappa = _kappa(base_batch_size, batch_size)
   if not eps >= 0:

@@ -53,10 +53,9 @@ def device_memory_budget(device: Any, needs: str) -> int:
 
 class AutoGatherStep:
   """A jitted step with ``gather_params="auto"``: per signature of its arguments (shapes, dtypes,
-  shardings) both policies are compiled once, and ``"once"`` runs if its compiled memory fits
-  the budget, else ``"per_microbatch"``. ``chosen_gather_params(*args)`` tells which,
-  ``gather_params_bytes(*args)`` the bytes of each (:func:`compiled_bytes`); neither runs it.
-  """
+  shardings) both policies compile once; ``"once"`` runs if its compiled memory fits the budget,
+  else ``"per_microbatch"``. ``chosen_gather_params(*args)`` tells which, and
+  ``gather_params_bytes(*args)`` the bytes of each (:func:`compiled_bytes`), running nothing."""
 
   def __init__(self, steps: dict[str, Any], budget: int):
     self._steps, self.budget = steps, budget

@@ -50,8 +50,7 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
     IndexError: for a concrete ``index`` outside ``[0, k)``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import gradaccum_jax as ga
+    >>> import jax.numpy as jnp, gradaccum_jax as ga
     >>> ga.microbatch(jnp.arange(6), 1, num_microbatches=3)
     Array([1, 4], dtype=int32)
   """
@@ -156,6 +155,7 @@ class MicrobatchedGrad:
     model_unit = Off()
     if opts.has_state:
       model_unit = ModelStatePlan.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
+    units = (sums_unit, noise_unit, model_unit)
 
     def one(i, start):
       mb = microbatch(batch, i, k)
@@ -165,8 +165,6 @@ class MicrobatchedGrad:
       return Micro(loss, aux, grads, opts.weighting.of(mb), new_state)
 
     like = jax.eval_shape(one, 0, model_state)
-
-    units = (sums_unit, noise_unit, model_unit)
 
     def body(c: Carry, i) -> tuple[Carry, None]:
       m = one(i, model_unit.start(c.model))
@@ -233,8 +231,7 @@ def value_and_grad(
     TypeError, ValueError: for a bad ``k`` or mesh, a batch ``k`` does not divide, a bad loss.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import gradaccum_jax as ga
+    >>> import jax, jax.numpy as jnp, gradaccum_jax as ga
     >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
     >>> batch = {"x": jnp.arange(16.0).reshape(8, 2) / 8, "y": jnp.ones(8)}
     >>> w = jnp.array([0.5, -0.5])

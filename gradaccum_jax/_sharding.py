@@ -1,10 +1,9 @@
 """Data-parallel and sharded-parameter accumulation: one reduction per window.
 
-The scan runs under ``jax.shard_map`` over the data axes only (other axes stay GSPMD's) on each
-device's rows, params device-varying so the loop has no collective; one ``psum`` follows it. FSDP
-params are gathered and their gradients reduce-scattered once or per micro-batch
-(``gather_params``). See docs/data_parallel.md and docs/architecture.md.
-"""
+Each device scans its rows under ``jax.shard_map`` over the data axes only (others stay GSPMD's),
+params device-varying so the loop has no collective; one ``psum`` follows. FSDP params gather,
+and their gradients reduce-scatter, once or per micro-batch (``gather_params``). See
+docs/data_parallel.md and docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -49,8 +48,15 @@ class DataParallel:
     return dataclasses.replace(self, gather=gather)
 
 
-def _check_gather(gather_params: Any, memory_budget_bytes: Any, where: str) -> None:
-  """``gather_params`` and its ``memory_budget_bytes``, checked."""
+def make_data_parallel(
+  mesh: Any,
+  data_axis: Any,
+  param_specs: Any,
+  where: str,
+  gather_params: str = "once",
+  memory_budget_bytes: int | None = None,
+) -> DataParallel | None:
+  """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
   if gather_params not in GATHER_POLICIES:
     raise ValueError(
       f"{where}: gather_params={gather_params!r} must be one of"
@@ -63,18 +69,6 @@ def _check_gather(gather_params: Any, memory_budget_bytes: Any, where: str) -> N
         f" gather_params={gather_params!r}."
       )
     check_budget(memory_budget_bytes, where)
-
-
-def make_data_parallel(
-  mesh: Any,
-  data_axis: Any,
-  param_specs: Any,
-  where: str,
-  gather_params: str = "once",
-  memory_budget_bytes: int | None = None,
-) -> DataParallel | None:
-  """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
-  _check_gather(gather_params, memory_budget_bytes, where)
   if mesh is None:
     given = [
       n for n, v in (("data_axis", data_axis), ("param_specs", param_specs)) if v is not None
@@ -133,10 +127,8 @@ def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 
 def place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   """Constrains ``x`` to ``NamedSharding(mesh, spec)`` (a reshard on explicit meshes)."""
-  sharding = NamedSharding(mesh, spec)
-  if _explicit(mesh):
-    return jax.reshard(x, sharding)
-  return jax.lax.with_sharding_constraint(x, sharding)
+  constrain = jax.reshard if _explicit(mesh) else jax.lax.with_sharding_constraint
+  return constrain(x, NamedSharding(mesh, spec))
 
 
 def off_data(x: Any, axes: tuple[str, ...]) -> P:
@@ -170,19 +162,12 @@ class _LeafPlan:
   rest: tuple[str, ...]  # the data axes the leaf is replicated over
   parts: int = 1  # devices along ``names``
   model: bool = False  # whether the spec also names non-data (model) axes
-  # Gathered over the data axes by GSPMD before the shard_map (keeping its model sharding:
-  # XLA replicates a manual all-gather's operand over the model axes), summed over them after.
-  outside: bool = False
+  outside: bool = False  # gathered by GSPMD before the shard_map (see gather), summed after
 
   @property
   def manual(self) -> P:
     """The spec over the data axes only: the leaf's ``shard_map`` out spec."""
     return P(*[e if d == self.dim else None for d, e in enumerate(self.spec)])
-
-  @property
-  def layout(self) -> P:
-    """Where the leaf is placed before the ``shard_map``."""
-    return self.model_spec if self.outside else self.spec
 
   @property
   def model_spec(self) -> P:
@@ -260,12 +245,11 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
       f"param_specs for {name} is {spec}: {', '.join(map(repr, unknown))} is not an axis of"
       f" the mesh {dict(dp.mesh.shape)}."
     )
-  data_dims = []
-  for d, entry in enumerate(spec):
-    names = _names(entry)
-    data = [n for n in names if n in dp.axes]
-    if data and len(data) < len(names):
-      model = [n for n in names if n not in dp.axes]
+  data_dims = [(d, _names(e)) for d, e in enumerate(spec) if set(_names(e)) & set(dp.axes)]
+  for d, names in data_dims:
+    model = [n for n in names if n not in dp.axes]
+    if model:
+      data = [n for n in names if n in dp.axes]
       raise ValueError(
         f"param_specs for {name} is {spec}: its dimension {d} is split over the data axes"
         f" {tuple(data)} and the non-data axes {tuple(model)} in one entry. The data axes"
@@ -273,8 +257,6 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
         " dimension cannot mix them: shard different dimensions, e.g."
         f" P('{data[0]}', '{model[0]}'), or replicate the param over the data axes."
       )
-    if data:
-      data_dims.append((d, names))
   model = any(n not in dp.axes for e in spec for n in _names(e))
   if len(data_dims) > 1:
     raise ValueError(
@@ -282,11 +264,9 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
       f" data axes {dp.axes}; shard at most one dimension of each param over them (e.g."
       " P('data') for its leading dimension)."
     )
-  if not data_dims:
-    return _LeafPlan(spec, None, (), dp.axes, 1, model)
-  dim, names = data_dims[0]
+  dim, names = data_dims[0] if data_dims else (None, ())
   parts = math.prod(dp.mesh.shape[n] for n in names)
-  if shape[dim] % parts:
+  if dim is not None and shape[dim] % parts:
     raise ValueError(
       f"param_specs for {name} is {spec}: its dimension {dim} has size {shape[dim]}, not"
       f" divisible by the {parts} devices of {names}. Shard another dimension or"
@@ -344,24 +324,21 @@ class ScatteredSums(SumsUnit):
 def reduce_over_data(
   plans: list[_LeafPlan], grads: list[jax.Array], extra: Any, axes: tuple[str, ...], scattered: bool
 ) -> tuple[list[jax.Array], Any]:
-  """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes.
-
-  One tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
+  """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes:
+  one tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
   sharded over data and model axes (each device keeps its shard), one reduce-scatter per param
-  sharded over data axes only. ``scattered``: those were reduced in the loop (per micro-batch)
-  and are only summed over the data axes they are replicated over.
-  """
+  sharded over data axes only, unless ``scattered`` (reduced in the loop, per micro-batch): then
+  only summed over the data axes it is replicated over."""
   whole = [p.dim is None or (p.model and not scattered) for p in plans]
   summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
-  it = iter(summed)
-  out = []
+  it, out = iter(summed), []
   for g, p, w in zip(grads, plans, whole, strict=True):
     if w:
       g = next(it)
       out.append(g if p.dim is None else p.take(g))
-      continue
-    g = g if scattered else p.scatter(g)
-    out.append(jax.lax.psum(g, p.rest) if p.rest else g)
+    else:
+      g = g if scattered else p.scatter(g)
+      out.append(jax.lax.psum(g, p.rest) if p.rest else g)
   return out, extra
 
 
@@ -456,16 +433,18 @@ def _per_device(dp, plans, local_sums, weighting, acc_leaves, seeded, static,
 
 
 def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_plans: list) -> tuple:
-  """``over_mesh``'s arguments laid out for its ``shard_map``: the params as ``_LeafPlan.layout``;
-  on an explicit mesh all as the in_specs say, the rest replicated over the data axes only."""
+  """``over_mesh``'s arguments laid out for its ``shard_map``: params ``outside`` gathered over the
+  data axes; on an explicit mesh all as the in_specs say, the rest replicated over them only."""
   mesh, explicit = dp.mesh, _explicit(dp.mesh)
   params, batch, *rest = args
   if explicit or any(p.outside for p in plans):
-    params = _per_leaf(lambda x, p: place(x, mesh, p.layout), params, plans)
+    params = _per_leaf(
+      lambda x, p: place(x, mesh, p.model_spec if p.outside else p.spec), params, plans
+    )
   if explicit:
     batch = jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), batch)
     rest = [jax.tree.map(lambda x: place(x, mesh, off_data(x, dp.axes)), a) for a in rest]
-    seeds = tuple(place(a, mesh, p.layout) for a, p in zip(seeds, seed_plans, strict=True))
+    seeds = tuple(place(a, mesh, p.spec) for a, p in zip(seeds, seed_plans, strict=True))
   return (params, batch, *rest), seeds
 
 
