@@ -62,6 +62,10 @@ def scale_learning_rate(
     >>> schedule = ga.scale_learning_rate(0.1, 256, 1024, warmup_steps=100)
     >>> [round(float(schedule(n)), 6) for n in (0, 50, 100, 1000)]
     [0.1, 0.25, 0.4, 0.4]
+
+  References:
+    Goyal et al. 2017, https://arxiv.org/abs/1706.02677; Malladi et al. 2022,
+    https://arxiv.org/abs/2205.10287.
   """
   kappa = _kappa(base_batch_size, batch_size)
   if rule not in _RULES:
@@ -112,6 +116,9 @@ def scale_adam_hyperparams(
     >>> import gradaccum_jax as ga
     >>> [round(x, 12) for x in ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 1024)]
     [0.6, 0.996, 5e-09]
+
+  References:
+    Malladi et al. 2022, https://arxiv.org/abs/2205.10287.
   """
   kappa = _kappa(base_batch_size, batch_size)
   if not eps >= 0:

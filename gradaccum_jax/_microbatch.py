@@ -50,7 +50,8 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
     IndexError: for a concrete ``index`` outside ``[0, k)``.
 
   Examples:
-    >>> import jax.numpy as jnp, gradaccum_jax as ga
+    >>> import jax.numpy as jnp
+    >>> import gradaccum_jax as ga
     >>> ga.microbatch(jnp.arange(6), 1, num_microbatches=3)
     Array([1, 4], dtype=int32)
   """
