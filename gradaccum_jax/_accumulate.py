@@ -172,17 +172,6 @@ def has_updated(state: AccumulateState) -> jax.Array:
   return state.updated
 
 
-def accum_dtype_for(like: Any, accum_dtype: Any) -> Any:
-  """The accumulator's dtype for a leaf like ``like``: ``accum_dtype``'s precision, complex
-  for a complex leaf (complex64 for float32); the leaf's own dtype if ``accum_dtype`` is None."""
-  dtype = jnp.result_type(like)
-  if accum_dtype is None:
-    return dtype
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.promote_types(accum_dtype, jnp.complex64)
-  return accum_dtype
-
-
 def _on_the_params_mesh(state: Any, params: Params) -> Any:
   """``state`` with every concrete array that is not on the params' mesh (the counters, the
   inner optimizer's own ``count``) placed there, replicated: a checkpoint restored onto
@@ -204,9 +193,16 @@ def _on_the_params_mesh(state: Any, params: Params) -> Any:
 
 
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
-  """Zeros like ``params`` (shapes and shardings), in ``accum_dtype`` (the params' dtypes if
-  None): an accumulator for sharded params is sharded like them, as optax's own state is."""
-  return jax.tree.map(lambda p: jnp.zeros_like(p, accum_dtype_for(p, accum_dtype)), params)
+  """Zeros like ``params`` (shapes and shardings, as optax's own state), in ``accum_dtype``'s
+  precision (complex for a complex leaf; the params' dtypes if None)."""
+
+  def zeros(p):
+    dtype = jnp.result_type(p) if accum_dtype is None else accum_dtype
+    if accum_dtype is not None and jnp.issubdtype(jnp.result_type(p), jnp.complexfloating):
+      dtype = jnp.promote_types(accum_dtype, jnp.complex64)
+    return jnp.zeros_like(p, dtype)
+
+  return jax.tree.map(zeros, params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -221,10 +217,7 @@ class _Accumulator:
   noise_scale_ema: float | None = None
 
   def init(self, params: Params) -> AccumulateState:
-    return _on_the_params_mesh(self._init(params), params)
-
-  def _init(self, params: Params) -> AccumulateState:
-    return AccumulateState(
+    state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
@@ -235,6 +228,7 @@ class _Accumulator:
       loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
       noise_scale=None if self.noise_scale_ema is None else init_state(),
     )
+    return _on_the_params_mesh(state, params)
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
     k = self.num_microbatches
@@ -303,6 +297,7 @@ class _Accumulator:
     mode = self._in_branch if branch else self._in_loop if in_place else self._in_selects
     inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
     updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state)
+    noise = after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale)
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -312,9 +307,7 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
       loss_scale=loss_scale,
-      noise_scale=None
-      if state.noise_scale is None
-      else after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale),
+      noise_scale=noise,
     )
     return updates, new_state, jnp.sqrt(sq)
 
@@ -392,23 +385,21 @@ class _Accumulator:
     state = self.check_state(state)
     check_same_structure(grads, state.acc_grads, "grads")
     check_trainable(grads, "grads")
-    wt = _UNWEIGHTED if weight is None else _WEIGHTED
+    wt = Weighting(None if weight is None else check_weight)
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
     acc = add_gradients(state.acc_grads, grads, w, state.acc_weight, wt)
-    if state.noise_scale is not None:
-      state = state._replace(
-        noise_scale=add_noise(state.noise_scale, sq_norm(grads), None if weight is None else w, 1.0)
-      )
+    noise = state.noise_scale
+    if noise is not None:
+      noise = add_noise(noise, sq_norm(grads), None if weight is None else w, 1.0)
     held = state._replace(
       micro_step=optax.safe_increment(state.micro_step),
       updated=jnp.zeros((), bool),
       acc_grads=acc,
       acc_weight=state.acc_weight + wt.total(w),
+      noise_scale=noise,
     )
     k = self.num_microbatches
-    closes = (
-      True if isinstance(k, int) and k == 1 else held.micro_step >= self.window_size(state.count)
-    )
+    closes = (isinstance(k, int) and k == 1) or held.micro_step >= self.window_size(state.count)
     return self._close_if(closes, held, params, grads if params is None else params, extra_args)
 
   def flush(
@@ -473,9 +464,6 @@ def _with_types_of(tree: Any, like: Any) -> Any:
 
   return jax.tree.map(cast, tree, like)
 
-
-_UNWEIGHTED = Weighting(None)
-_WEIGHTED = Weighting(check_weight)
 
 # Stands for the window's mean gradient in the extra arguments the fused step gives ``close``.
 MEAN_GRADIENT = object()
