@@ -107,12 +107,7 @@ def estimates(
 
 
 def after_window(
-  ns: NoiseScaleState | None,
-  decay: float | None,
-  acc_grads: Any,
-  acc_weight: Any,
-  ok: Any,
-  scale: Any,
+  ns: NoiseScaleState | None, decay: Any, acc_grads: Any, acc_weight: Any, ok: Any, scale: Any
 ) -> NoiseScaleState | None:
   """The state after a window: EMAs moved if it was applied and estimable, sums emptied."""
   if ns is None:
