@@ -134,11 +134,8 @@ class DynamicLossScale:
 
   def next(self, state: LossScaleState, finite: jax.Array, nonempty: jax.Array) -> LossScaleState:
     grown = state.good_windows + 1 >= self.period
-    scale = jnp.where(
-      finite,
-      jnp.where(grown, state.scale * self.factor, state.scale),
-      jnp.maximum(state.scale / self.factor, self.min_scale),
-    )
+    kept = jnp.where(grown, state.scale * self.factor, state.scale)
+    scale = jnp.where(finite, kept, jnp.maximum(state.scale / self.factor, self.min_scale))
     good = jnp.where(finite & ~grown, state.good_windows + 1, 0)
     # An empty window (total weight 0) says nothing about overflow.
     return LossScaleState(
@@ -165,9 +162,8 @@ def has_updated(state: AccumulateState) -> jax.Array:
   state = state.accumulate if isinstance(state, MicroStepState) else state
   if not isinstance(state, AccumulateState):
     raise TypeError(
-      f"has_updated expects an AccumulateState, got {type(state).__name__}."
-      " Pass the state returned by ga.accumulate(...).init/update, not the"
-      " inner optimizer's state."
+      f"has_updated expects an AccumulateState, got {type(state).__name__}: pass the state"
+      " returned by ga.accumulate(...).init/update, not the inner optimizer's state."
     )
   return state.updated
 
@@ -273,11 +269,10 @@ class _Accumulator:
 
     Returns the new params (``branch``: the updates), the new state and the mean gradient's
     global norm (float32). A window of zero or non-finite total weight, or (with
-    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided: the params and inner
-    state kept. It is kept out by selects (the default), by a loop of 0 or 1 trips
-    (``in_place``: a donated fused step), or by a ``lax.cond`` (``branch``: streaming calls,
-    whose caller clears ``acc_grads`` after its own ``lax.cond``, see ``_close_if``). Why
-    each: docs/architecture.md, "Closing a window".
+    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided, the params and inner state
+    kept: by selects (the default), a loop of 0 or 1 trips (``in_place``: a donated fused step)
+    or a ``lax.cond`` (``branch``: streaming calls, whose caller clears ``acc_grads`` after its
+    own ``lax.cond``: ``_close_if``). Why each: docs/architecture.md, "Closing a window".
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -286,8 +281,7 @@ class _Accumulator:
       mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0), scale)
       return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
 
-    # One reduction gives the norm and the finiteness check (a norm above 1.8e19 counts as
-    # non-finite).
+    # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
     ok, loss_scale = nonempty, state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:
@@ -317,9 +311,8 @@ class _Accumulator:
     trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
 
     def run(carry):
-      p, state = carry
-      updates, state = inner(p, state)
-      return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), state
+      updates, state = inner(*carry)
+      return jax.tree.map(lambda p, u: p + u.astype(p.dtype), carry[0], updates), state
 
     done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
     cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
@@ -365,11 +358,10 @@ class _Accumulator:
         ) from e
       if "'value'" in str(e) or "'grad'" in str(e):
         raise TypeError(
-          f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step"
-          " pass the window's mean loss as value= and its mean gradient as grad=. In streaming"
-          " mode pass them to every tx.update call, e.g. tx.update(g, state, params,"
-          " value=mean_loss_so_far): under jit a call cannot know whether it closes the"
-          " window, and only the closing call's value reaches the inner optimizer."
+          f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step pass"
+          " the window's mean loss as value= and its mean gradient as grad=. In streaming mode"
+          " pass them to every tx.update call, e.g. tx.update(g, state, params, value=mean_loss):"
+          " under jit a call cannot know if it closes the window; the closing call's value is used."
         ) from e
       raise
 
@@ -458,9 +450,7 @@ def _with_types_of(tree: Any, like: Any) -> Any:
     axis_types = getattr(getattr(want, "mesh", None), "axis_types", ())
     if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
       return x  # no sharding in the types
-    if jax.typeof(x).sharding.spec == want.spec:
-      return x
-    return jax.reshard(x, want)
+    return x if jax.typeof(x).sharding.spec == want.spec else jax.reshard(x, want)
 
   return jax.tree.map(cast, tree, like)
 
@@ -489,15 +479,7 @@ class Accumulate(optax.GradientTransformationExtraArgs):
 
   def fixed_num_microbatches(self, where: str) -> int:
     """``k``, or a TypeError naming ``where`` if ``num_microbatches`` is a schedule."""
-    k = self.num_microbatches
-    if not isinstance(k, int):
-      raise TypeError(
-        f"{where} needs a fixed int number of micro-batches per window, but this"
-        f" ga.accumulate has the schedule num_microbatches={k!r}. Pass an int to"
-        " ga.accumulate, drive a schedule with tx.update (streaming mode), or use"
-        " ga.ramp_train_step."
-      )
-    return k
+    return check_num_microbatches(self.num_microbatches, allow_schedule=False, where=where)
 
 
 def accumulate(
@@ -552,8 +534,7 @@ def accumulate(
   k = check_num_microbatches(num_microbatches, allow_schedule=True)
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
-  if accum_dtype is not None:
-    accum_dtype = jnp.dtype(accum_dtype)
+  accum_dtype = None if accum_dtype is None else jnp.dtype(accum_dtype)
   if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
     raise TypeError(f"loss_scale must be a ga.DynamicLossScale or None, got {loss_scale!r}.")
   if noise_scale_ema is not None:

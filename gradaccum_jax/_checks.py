@@ -18,15 +18,18 @@ def is_inexact(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> NumMicrobatches:
-  """Validates ``num_microbatches``: a positive int (or, if allowed, a schedule)."""
+def check_num_microbatches(
+  num_microbatches: Any, *, allow_schedule: bool, where: str = "A fused step"
+) -> NumMicrobatches:
+  """Validates ``num_microbatches``: a positive int (or, if allowed, a schedule; if not, the
+  TypeError names ``where``)."""
   if callable(num_microbatches) and not isinstance(num_microbatches, type):
     if allow_schedule:
       return num_microbatches
     raise TypeError(
-      f"{num_microbatches=} is a schedule; the fused steps need a fixed int number of"
-      " micro-batches per window. Pass an int to ga.accumulate, drive a schedule with"
-      " tx.update (streaming mode), or use ga.ramp_train_step."
+      f"{where} needs a fixed int number of micro-batches per window, got the schedule"
+      f" {num_microbatches=}. Pass an int to ga.accumulate, drive a schedule with tx.update"
+      " (streaming mode), or use ga.ramp_train_step."
     )
   if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
     raise TypeError(
