@@ -41,8 +41,7 @@ class AccumulateState(NamedTuple):
     count: windows closed so far, applied or voided (int32).
     num_skipped: windows voided (non-finite gradient or zero total weight) (int32);
       ``count - num_skipped`` windows moved the parameters.
-    updated: whether the last call closed a window and moved the parameters (bool);
-      read it with :func:`has_updated`.
+    updated: whether the last call closed a window and moved the params (bool): :func:`has_updated`.
     acc_grads: the open window's :math:`\\sum_i w_i g_i`, in ``accum_dtype``, shaped as the
       params; leaves narrower than float32 hold the running weighted mean instead (the sum
       could overflow). Zeros when no window is open.
@@ -134,8 +133,8 @@ class DynamicLossScale:
 
   def next(self, state: LossScaleState, finite: jax.Array, nonempty: jax.Array) -> LossScaleState:
     grown = state.good_windows + 1 >= self.period
-    kept = jnp.where(grown, state.scale * self.factor, state.scale)
-    scale = jnp.where(finite, kept, jnp.maximum(state.scale / self.factor, self.min_scale))
+    finite_scale = jnp.where(grown, state.scale * self.factor, state.scale)
+    scale = jnp.where(finite, finite_scale, jnp.maximum(state.scale / self.factor, self.min_scale))
     good = jnp.where(finite & ~grown, state.good_windows + 1, 0)
     # An empty window (total weight 0) says nothing about overflow.
     return LossScaleState(
@@ -228,13 +227,10 @@ class _Accumulator:
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
     k = self.num_microbatches
-    if isinstance(k, int):
-      return k
-    return jnp.maximum(check_scheduled_k(k(count)), 1)
+    return k if isinstance(k, int) else jnp.maximum(check_scheduled_k(k(count)), 1)
 
   def check_state(self, state: Any) -> AccumulateState:
-    """``state`` if it is an :class:`AccumulateState` with every part this transformation uses
-    (a :class:`MicroStepState`'s, its device slots summed)."""
+    """``state`` (a :class:`MicroStepState`'s slots totalled) if it has every part this uses."""
     state = slot_totals(state)
     if not isinstance(state, AccumulateState):
       raise TypeError(

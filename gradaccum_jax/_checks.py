@@ -100,7 +100,7 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
 
 def check_weight(weight: Any, what: str = "weight") -> jax.Array:
   """A scalar float32 weight, or an error naming what gave it and its shape."""
-  if weight is None or not (hasattr(weight, "shape") or isinstance(weight, int | float)):
+  if not (hasattr(weight, "shape") or isinstance(weight, int | float)):
     raise TypeError(
       f"{what} must be a scalar number (the examples or tokens in the micro-batch), got"
       f" {type(weight).__name__}: {weight!r:.80}."
