@@ -124,9 +124,8 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
       f"\n  {what}: {gdef}\n  params: {rdef}\nPass gradients with exactly the structure of the"
       " params (for equinox, filter both with the same eqx.filter)."
     )
-  for (path, g), r in zip(
-    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
-  ):
+  leaves = zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True)
+  for (path, g), r in leaves:
     if jnp.shape(g) != jnp.shape(r):
       raise ValueError(
         f"The {what} leaf at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)}, but the"
