@@ -41,8 +41,7 @@ class AccumulateState(NamedTuple):
     count: windows closed so far, applied or voided (int32).
     num_skipped: windows voided (non-finite gradient or zero total weight) (int32);
       ``count - num_skipped`` windows moved the parameters.
-    updated: whether the last call closed a window and moved the parameters (bool);
-      read it with :func:`has_updated`.
+    updated: whether the last call closed a window and moved the params (bool): :func:`has_updated`.
     acc_grads: the open window's :math:`\\sum_i w_i g_i`, in ``accum_dtype``, shaped as the
       params; leaves narrower than float32 hold the running weighted mean instead (the sum
       could overflow). Zeros when no window is open.
@@ -134,11 +133,8 @@ class DynamicLossScale:
 
   def next(self, state: LossScaleState, finite: jax.Array, nonempty: jax.Array) -> LossScaleState:
     grown = state.good_windows + 1 >= self.period
-    scale = jnp.where(
-      finite,
-      jnp.where(grown, state.scale * self.factor, state.scale),
-      jnp.maximum(state.scale / self.factor, self.min_scale),
-    )
+    finite_scale = jnp.where(grown, state.scale * self.factor, state.scale)
+    scale = jnp.where(finite, finite_scale, jnp.maximum(state.scale / self.factor, self.min_scale))
     good = jnp.where(finite & ~grown, state.good_windows + 1, 0)
     # An empty window (total weight 0) says nothing about overflow.
     return LossScaleState(
@@ -165,22 +161,10 @@ def has_updated(state: AccumulateState) -> jax.Array:
   state = state.accumulate if isinstance(state, MicroStepState) else state
   if not isinstance(state, AccumulateState):
     raise TypeError(
-      f"has_updated expects an AccumulateState, got {type(state).__name__}."
-      " Pass the state returned by ga.accumulate(...).init/update, not the"
-      " inner optimizer's state."
+      f"has_updated expects an AccumulateState, got {type(state).__name__}: pass the state"
+      " returned by ga.accumulate(...).init/update, not the inner optimizer's state."
     )
   return state.updated
-
-
-def accum_dtype_for(like: Any, accum_dtype: Any) -> Any:
-  """The accumulator's dtype for a leaf like ``like``: ``accum_dtype``'s precision, complex
-  for a complex leaf (complex64 for float32); the leaf's own dtype if ``accum_dtype`` is None."""
-  dtype = jnp.result_type(like)
-  if accum_dtype is None:
-    return dtype
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.promote_types(accum_dtype, jnp.complex64)
-  return accum_dtype
 
 
 def _on_the_params_mesh(state: Any, params: Params) -> Any:
@@ -204,9 +188,16 @@ def _on_the_params_mesh(state: Any, params: Params) -> Any:
 
 
 def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
-  """Zeros like ``params`` (shapes and shardings), in ``accum_dtype`` (the params' dtypes if
-  None): an accumulator for sharded params is sharded like them, as optax's own state is."""
-  return jax.tree.map(lambda p: jnp.zeros_like(p, accum_dtype_for(p, accum_dtype)), params)
+  """Zeros like ``params`` (shapes and shardings, as optax's own state), in ``accum_dtype``'s
+  precision (complex for a complex leaf; the params' dtypes if None)."""
+
+  def zeros(p):
+    dtype = jnp.result_type(p) if accum_dtype is None else accum_dtype
+    if accum_dtype is not None and jnp.issubdtype(jnp.result_type(p), jnp.complexfloating):
+      dtype = jnp.promote_types(accum_dtype, jnp.complex64)
+    return jnp.zeros_like(p, dtype)
+
+  return jax.tree.map(zeros, params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -221,10 +212,7 @@ class _Accumulator:
   noise_scale_ema: float | None = None
 
   def init(self, params: Params) -> AccumulateState:
-    return _on_the_params_mesh(self._init(params), params)
-
-  def _init(self, params: Params) -> AccumulateState:
-    return AccumulateState(
+    state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
@@ -235,16 +223,14 @@ class _Accumulator:
       loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
       noise_scale=None if self.noise_scale_ema is None else init_state(),
     )
+    return _on_the_params_mesh(state, params)
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
     k = self.num_microbatches
-    if isinstance(k, int):
-      return k
-    return jnp.maximum(check_scheduled_k(k(count)), 1)
+    return k if isinstance(k, int) else jnp.maximum(check_scheduled_k(k(count)), 1)
 
   def check_state(self, state: Any) -> AccumulateState:
-    """``state`` if it is an :class:`AccumulateState` with every part this transformation uses
-    (a :class:`MicroStepState`'s, its device slots summed)."""
+    """``state`` (a :class:`MicroStepState`'s slots totalled) if it has every part this uses."""
     state = slot_totals(state)
     if not isinstance(state, AccumulateState):
       raise TypeError(
@@ -279,11 +265,10 @@ class _Accumulator:
 
     Returns the new params (``branch``: the updates), the new state and the mean gradient's
     global norm (float32). A window of zero or non-finite total weight, or (with
-    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided: the params and inner
-    state kept. It is kept out by selects (the default), by a loop of 0 or 1 trips
-    (``in_place``: a donated fused step), or by a ``lax.cond`` (``branch``: streaming calls,
-    whose caller clears ``acc_grads`` after its own ``lax.cond``, see ``_close_if``). Why
-    each: docs/architecture.md, "Closing a window".
+    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided, the params and inner state
+    kept: by selects (the default), a loop of 0 or 1 trips (``in_place``: a donated fused step)
+    or a ``lax.cond`` (``branch``: streaming calls, whose caller clears ``acc_grads`` after its
+    own ``lax.cond``: ``_close_if``). Why each: docs/architecture.md, "Closing a window".
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -292,8 +277,7 @@ class _Accumulator:
       mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0), scale)
       return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
 
-    # One reduction gives the norm and the finiteness check (a norm above 1.8e19 counts as
-    # non-finite).
+    # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
     ok, loss_scale = nonempty, state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:
@@ -303,6 +287,7 @@ class _Accumulator:
     mode = self._in_branch if branch else self._in_loop if in_place else self._in_selects
     inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
     updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state)
+    noise = after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale)
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -312,9 +297,7 @@ class _Accumulator:
       acc_weight=jnp.zeros((), jnp.float32),
       inner_state=inner_state,
       loss_scale=loss_scale,
-      noise_scale=None
-      if state.noise_scale is None
-      else after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale),
+      noise_scale=noise,
     )
     return updates, new_state, jnp.sqrt(sq)
 
@@ -324,9 +307,8 @@ class _Accumulator:
     trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
 
     def run(carry):
-      p, state = carry
-      updates, state = inner(p, state)
-      return jax.tree.map(lambda p, u: p + u.astype(p.dtype), p, updates), state
+      updates, state = inner(*carry)
+      return jax.tree.map(lambda p, u: p + u.astype(p.dtype), carry[0], updates), state
 
     done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
     cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
@@ -372,11 +354,10 @@ class _Accumulator:
         ) from e
       if "'value'" in str(e) or "'grad'" in str(e):
         raise TypeError(
-          f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step"
-          " pass the window's mean loss as value= and its mean gradient as grad=. In streaming"
-          " mode pass them to every tx.update call, e.g. tx.update(g, state, params,"
-          " value=mean_loss_so_far): under jit a call cannot know whether it closes the"
-          " window, and only the closing call's value reaches the inner optimizer."
+          f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step pass"
+          " the window's mean loss as value= and its mean gradient as grad=. In streaming mode"
+          " pass them to every tx.update call, e.g. tx.update(g, state, params, value=mean_loss):"
+          " under jit a call cannot know if it closes the window; the closing call's value is used."
         ) from e
       raise
 
@@ -392,23 +373,21 @@ class _Accumulator:
     state = self.check_state(state)
     check_same_structure(grads, state.acc_grads, "grads")
     check_trainable(grads, "grads")
-    wt = _UNWEIGHTED if weight is None else _WEIGHTED
+    wt = Weighting(None if weight is None else check_weight)
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
     acc = add_gradients(state.acc_grads, grads, w, state.acc_weight, wt)
-    if state.noise_scale is not None:
-      state = state._replace(
-        noise_scale=add_noise(state.noise_scale, sq_norm(grads), None if weight is None else w, 1.0)
-      )
+    noise = state.noise_scale
+    if noise is not None:
+      noise = add_noise(noise, sq_norm(grads), None if weight is None else w, 1.0)
     held = state._replace(
       micro_step=optax.safe_increment(state.micro_step),
       updated=jnp.zeros((), bool),
       acc_grads=acc,
       acc_weight=state.acc_weight + wt.total(w),
+      noise_scale=noise,
     )
     k = self.num_microbatches
-    closes = (
-      True if isinstance(k, int) and k == 1 else held.micro_step >= self.window_size(state.count)
-    )
+    closes = (isinstance(k, int) and k == 1) or held.micro_step >= self.window_size(state.count)
     return self._close_if(closes, held, params, grads if params is None else params, extra_args)
 
   def flush(
@@ -467,15 +446,10 @@ def _with_types_of(tree: Any, like: Any) -> Any:
     axis_types = getattr(getattr(want, "mesh", None), "axis_types", ())
     if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
       return x  # no sharding in the types
-    if jax.typeof(x).sharding.spec == want.spec:
-      return x
-    return jax.reshard(x, want)
+    return x if jax.typeof(x).sharding.spec == want.spec else jax.reshard(x, want)
 
   return jax.tree.map(cast, tree, like)
 
-
-_UNWEIGHTED = Weighting(None)
-_WEIGHTED = Weighting(check_weight)
 
 # Stands for the window's mean gradient in the extra arguments the fused step gives ``close``.
 MEAN_GRADIENT = object()
@@ -501,15 +475,7 @@ class Accumulate(optax.GradientTransformationExtraArgs):
 
   def fixed_num_microbatches(self, where: str) -> int:
     """``k``, or a TypeError naming ``where`` if ``num_microbatches`` is a schedule."""
-    k = self.num_microbatches
-    if not isinstance(k, int):
-      raise TypeError(
-        f"{where} needs a fixed int number of micro-batches per window, but this"
-        f" ga.accumulate has the schedule num_microbatches={k!r}. Pass an int to"
-        " ga.accumulate, drive a schedule with tx.update (streaming mode), or use"
-        " ga.ramp_train_step."
-      )
-    return k
+    return check_num_microbatches(self.num_microbatches, allow_schedule=False, where=where)
 
 
 def accumulate(
@@ -564,8 +530,7 @@ def accumulate(
   k = check_num_microbatches(num_microbatches, allow_schedule=True)
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
-  if accum_dtype is not None:
-    accum_dtype = jnp.dtype(accum_dtype)
+  accum_dtype = None if accum_dtype is None else jnp.dtype(accum_dtype)
   if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
     raise TypeError(f"loss_scale must be a ga.DynamicLossScale or None, got {loss_scale!r}.")
   if noise_scale_ema is not None:

@@ -18,15 +18,18 @@ def is_inexact(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def check_num_microbatches(num_microbatches: Any, *, allow_schedule: bool) -> NumMicrobatches:
-  """Validates ``num_microbatches``: a positive int (or, if allowed, a schedule)."""
+def check_num_microbatches(
+  num_microbatches: Any, *, allow_schedule: bool, where: str = "A fused step"
+) -> NumMicrobatches:
+  """Validates ``num_microbatches``: a positive int (or, if allowed, a schedule; if not, the
+  TypeError names ``where``)."""
   if callable(num_microbatches) and not isinstance(num_microbatches, type):
     if allow_schedule:
       return num_microbatches
     raise TypeError(
-      f"{num_microbatches=} is a schedule; the fused steps need a fixed int number of"
-      " micro-batches per window. Pass an int to ga.accumulate, drive a schedule with"
-      " tx.update (streaming mode), or use ga.ramp_train_step."
+      f"{where} needs a fixed int number of micro-batches per window, got the schedule"
+      f" {num_microbatches=}. Pass an int to ga.accumulate, drive a schedule with tx.update"
+      " (streaming mode), or use ga.ramp_train_step."
     )
   if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
     raise TypeError(
@@ -97,7 +100,7 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
 
 def check_weight(weight: Any, what: str = "weight") -> jax.Array:
   """A scalar float32 weight, or an error naming what gave it and its shape."""
-  if weight is None or not (hasattr(weight, "shape") or isinstance(weight, int | float)):
+  if not (hasattr(weight, "shape") or isinstance(weight, int | float)):
     raise TypeError(
       f"{what} must be a scalar number (the examples or tokens in the micro-batch), got"
       f" {type(weight).__name__}: {weight!r:.80}."
@@ -121,9 +124,8 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
       f"\n  {what}: {gdef}\n  params: {rdef}\nPass gradients with exactly the structure of the"
       " params (for equinox, filter both with the same eqx.filter)."
     )
-  for (path, g), r in zip(
-    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True
-  ):
+  leaves = zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True)
+  for (path, g), r in leaves:
     if jnp.shape(g) != jnp.shape(r):
       raise ValueError(
         f"The {what} leaf at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)}, but the"

@@ -107,9 +107,11 @@ def estimates(
 
 
 def after_window(
-  ns: NoiseScaleState, decay: float, acc_grads: Any, acc_weight: jax.Array, ok: Any, scale: Any
-) -> NoiseScaleState:
+  ns: NoiseScaleState | None, decay: Any, acc_grads: Any, acc_weight: Any, ok: Any, scale: Any
+) -> NoiseScaleState | None:
   """The state after a window: EMAs moved if it was applied and estimable, sums emptied."""
+  if ns is None:
+    return None
   g2, trace = estimates(acc_grads, acc_weight, ns, scale)
   use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
   ema = lambda old, new: jnp.where(use, decay * old + (1 - decay) * new, old)  # noqa: E731

@@ -200,14 +200,12 @@ class Off:
   def init(self, *args: Any) -> tuple[()]:
     return ()
 
-  def update(self, carry: tuple[()], m: Micro) -> tuple[()]:
-    return ()
+  update = init  # (carry, micro-batch) -> ()
 
-  def start(self, carry: tuple[()]) -> None:
+  def start(self, *args: Any) -> None:
     return None
 
-  def finish(self, carry: tuple[()], num: Any) -> None:
-    return None
+  finish = start  # (carry, num) -> None
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:
