@@ -373,9 +373,8 @@ def micro_step(
   call reduces them, once per window (slots and checkpoints: docs/data_parallel.md).
 
   Args:
-    loss_fn, has_aux, weight_fn, has_state: as in :func:`train_step`.
+    loss_fn, has_aux, weight_fn, has_state, mesh, data_axis, param_specs: as in :func:`train_step`.
     tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
-    mesh, data_axis, param_specs: as in :func:`train_step`.
     donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step (default).
 
   Returns:
