@@ -53,11 +53,6 @@ class _Layout:
     """``spec()`` for every leaf: a shard_map manual over the data axes (model axes stay GSPMD's)."""
     return jax.tree.map(lambda _: self.spec(), tree)
 
-  def grad_specs(self, params: Any) -> Any:
-    """The slot axis, then each param's model axes."""
-    plans = leaf_plans(self.dp, params)
-    return jax.tree.structure(params).unflatten([self.spec(p.model_spec) for p in plans])
-
   def first_slot(self, x: jax.Array, spec: P = _REPLICATED) -> jax.Array:
     """``x`` in the first of ``D`` slots (the others zero), placed as the slots are."""
     sharding = NamedSharding(self.dp.mesh, self.spec(spec))
@@ -278,7 +273,8 @@ class MicroStep:
     args = (params, mb, rng, own, model_state, scale)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
       slot, (partial, noise) = lay.spec(), own
-      specs = (Sums(lay.grad_specs(params), slot, slot, lay.slots(partial.aux)), lay.slots(noise))
+      grad_specs = treedef.unflatten([lay.spec(p.model_spec) for p in plans])  # and model axes
+      specs = (Sums(grad_specs, slot, slot, lay.slots(partial.aux)), lay.slots(noise))
       args = (
         params,
         jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), mb),
@@ -298,15 +294,14 @@ class MicroStep:
     )
     return add(*args)
 
-  def _reduce(self, params, partial, noise) -> tuple[Sums, Any]:
+  def _reduce(self, params, own) -> tuple[Sums, Any]:
     """The window's sums: the device slots reduced (one all-reduce, reduce-scatters for
     data-sharded params), inside the closing branch only."""
     dp, lay = self._layout.dp, self._layout
     if dp is None:
-      return partial, noise
+      return own
     plans = leaf_plans(dp, params)
     treedef = jax.tree.structure(params)
-    partial_specs, noise_specs = lay.slots(partial), lay.slots(noise)
     out_grads = treedef.unflatten([p.manual for p in plans])
 
     def per_device(partial, noise):
@@ -319,16 +314,16 @@ class MicroStep:
     reduce = jax.shard_map(
       per_device,
       mesh=dp.mesh,
-      in_specs=(partial_specs, noise_specs),
-      out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), partial.aux)), P()),
+      in_specs=lay.slots(own),
+      out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), own[0].aux)), P()),
       axis_names=set(dp.axes),
     )
-    return reduce(partial, noise)
+    return reduce(*own)
 
   def _close(self, params, new_model_state, state):
     """The call that closes the window: reduce, one inner update, empty slots."""
-    partial, noise = _partials(state)
-    totals, total_noise = self._reduce(params, partial, noise)
+    own = _partials(state)
+    totals, total_noise = self._reduce(params, own)
     acc_state = state.accumulate
     acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
     loss = safe_mean(totals.loss, totals.weight)
@@ -338,7 +333,7 @@ class MicroStep:
       totals.grads, totals.weight, acc_state, params, params, extra, branch=True
     )[:2]
     # The partial sums as they were: the caller clears them after its lax.cond.
-    new_state = _with_partials(state._replace(accumulate=new_acc), partial, noise)
+    new_state = _with_partials(state._replace(accumulate=new_acc), *own)
     scale = 1.0 if acc_state.loss_scale is None else acc_state.loss_scale.scale
     grad_norm = safe_mean(optax.tree.norm(totals.grads), totals.weight * scale)
     metrics = dict(loss=loss, grad_norm=grad_norm, weight=totals.weight)
