@@ -50,13 +50,8 @@ class _Layout:
     return P(self.dp.batch_spec[0], *like_spec)
 
   def slots(self, tree: Any) -> Any:
-    """``spec()`` for every leaf of ``tree``: what a shard_map manual over the data axes names
-    (a model axis of a leaf stays GSPMD's)."""
+    """``spec()`` for every leaf: a shard_map manual over the data axes (model axes stay GSPMD's)."""
     return jax.tree.map(lambda _: self.spec(), tree)
-
-  def grad_specs(self, params: Any) -> Any:
-    plans = leaf_plans(self.dp, params)
-    return jax.tree.structure(params).unflatten([self.spec(p.model_spec) for p in plans])
 
   def first_slot(self, x: jax.Array, spec: P = _REPLICATED) -> jax.Array:
     """``x`` in the first of ``D`` slots (the others zero), placed as the slots are."""
@@ -106,8 +101,6 @@ class MicroStep:
     donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
-
-  # --- state ------------------------------------------------------------------------------
 
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
@@ -177,22 +170,14 @@ class MicroStep:
       return state
     sums, noise = _partials(slot_totals(state), state.loss_sum, state.aux_sum)
     if slots is not None:  # the loss and aux sums (the others are totalled)
-      sums = sums._replace(
-        loss=jnp.sum(sums.loss, 0), aux=jax.tree.map(lambda x: jnp.sum(x, 0), sums.aux)
-      )
+      loss, aux = jax.tree.map(lambda x: jnp.sum(x, 0), (sums.loss, sums.aux))
+      sums = sums._replace(loss=loss, aux=aux)
     if lay.dp is not None:
-      specs = jax.tree.leaves(lay.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
-      grads = jax.tree.structure(sums.grads).unflatten(
-        [
-          lay.first_slot(g, P(*s[1:]))
-          for g, s in zip(jax.tree.leaves(sums.grads), specs, strict=True)
-        ]
-      )
-      rest = jax.tree.map(lay.first_slot, (sums._replace(grads=()), noise))
-      sums, noise = rest[0]._replace(grads=grads), rest[1]
+      pairs = zip(jax.tree.leaves(sums.grads), leaf_plans(lay.dp, params), strict=True)
+      grads = [lay.first_slot(g, p.model_spec) for g, p in pairs]
+      rest, noise = jax.tree.map(lay.first_slot, (sums._replace(grads=()), noise))
+      sums = rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads))
     return _with_partials(state, sums, noise)
-
-  # --- the call -----------------------------------------------------------------------------
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self._fn(*args, **kwargs)
@@ -223,15 +208,11 @@ class MicroStep:
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
     if self.has_state:  # the model state a voided window restores: as the window found it
       saved = model_state if state.window_start is None else state.window_start
-      starts = acc_state.micro_step == 0
-      start = keep_if_voided(starts, model_state, saved)  # float leaves from the window's start
+      start = keep_if_voided(acc_state.micro_step == 0, model_state, saved)  # its float leaves
       state = state._replace(window_start=start)
-    partial, noise = _partials(state)
-    add = self._add_local if lay.dp is None else self._add_on_mesh
-    partial, noise, new_model_state = add(
-      params, microbatch, rng, partial, noise, model_state, scale
-    )
-    state = _with_partials(state, partial, noise)
+    add = self._add_own if lay.dp is None else self._add_on_mesh
+    own, new_model_state = add(params, microbatch, rng, _partials(state), model_state, scale)
+    state = _with_partials(state, *own)
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
@@ -252,8 +233,7 @@ class MicroStep:
     closed, updates, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, new_model_state, state
     )
-    partial, noise = _partials(state)
-    empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), (partial, noise))
+    empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), _partials(state))
     new_params = place_params(lay.dp, optax.apply_updates(params, updates))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
     # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
@@ -261,14 +241,17 @@ class MicroStep:
     metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
     return new_params, new_model_state, _with_partials(state, *empty), metrics
 
-  def _add_local(self, params, mb, rng, partial, noise, model_state, scale):
+  def _add_own(self, params, mb, rng, own, model_state, scale, axes=()):
+    """``own`` (a slot's sums and noise sums) plus the micro-batch's, and the new model state."""
     w = self._mg.local_sums(
-      params, mb, rng, jax.tree.map(jnp.zeros_like, partial.grads), model_state, scale, None
+      params, mb, rng, jax.tree.map(jnp.zeros_like, own[0].grads), model_state, scale, None, axes
     )
-    sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, 1, 1.0)
-    return _add(partial, sums), _add(noise, new_noise), w.model_state
+    # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
+    devices = self._layout.devices
+    sums, noise = self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices)
+    return _add(own, (sums, noise)), w.model_state
 
-  def _add_on_mesh(self, params, mb, rng, partial, noise, model_state, scale):
+  def _add_on_mesh(self, params, mb, rng, own, model_state, scale):
     """Every device adds its rows' sums to its own slot, with no gradient collective."""
     dp, lay = self._layout.dp, self._layout
     axes, mesh = dp.axes, dp.mesh
@@ -278,32 +261,25 @@ class MicroStep:
     params = treedef.unflatten(
       [place(x, mesh, p.model_spec) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
     )
-    slot = lay.spec()
-    grad_specs = lay.grad_specs(params)  # the slot axis, then each param's model axes
-    partial_specs = Sums(grad_specs, slot, slot, lay.slots(partial.aux))
-    manual_specs, noise_specs = lay.slots(partial), lay.slots(noise)
-    devices = dp.size
+    own_specs = lay.slots(own)
 
-    def per_device(params, mb, rng, partial, noise, model_state, scale):
+    def per_device(params, mb, rng, own, model_state, scale):
       if rng is not None:
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-      own = jax.tree.map(lambda x: x[0], (partial, noise))
-      w = self._mg.local_sums(
-        params, mb, rng, jax.tree.map(jnp.zeros_like, own[0].grads), model_state, scale, None, axes
-      )
-      # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
-      sums, new_noise = self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices)
-      new = _add(own, (sums, new_noise))
-      return jax.tree.map(lambda x: x[None], new), reduce_state(w.model_state, axes)
+      own = jax.tree.map(lambda x: x[0], own)
+      new, new_model_state = self._add_own(params, mb, rng, own, model_state, scale, axes)
+      return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
 
-    args = (params, mb, rng, partial, noise, model_state, scale)
+    args = (params, mb, rng, own, model_state, scale)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
+      slot, (partial, noise) = lay.spec(), own
+      grad_specs = treedef.unflatten([lay.spec(p.model_spec) for p in plans])  # and model axes
+      specs = (Sums(grad_specs, slot, slot, lay.slots(partial.aux)), lay.slots(noise))
       args = (
         params,
         jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), mb),
         rng,
-        jax.tree.map(lambda x, s: place(x, mesh, s), partial, partial_specs),
-        jax.tree.map(lambda x: place(x, mesh, slot), noise),
+        jax.tree.map(lambda x, s: place(x, mesh, s), own, specs),
         # Replicated over the data axes only: state sharded over a model axis keeps it.
         *(
           jax.tree.map(lambda x: place(x, mesh, off_data(x, axes)), a) for a in (model_state, scale)
@@ -312,22 +288,20 @@ class MicroStep:
     add = jax.shard_map(
       per_device,
       mesh=mesh,
-      in_specs=(P(), dp.batch_spec, P(), manual_specs, noise_specs, P(), P()),
-      out_specs=((manual_specs, noise_specs), P()),
+      in_specs=(P(), dp.batch_spec, P(), own_specs, P(), P()),
+      out_specs=(own_specs, P()),
       axis_names=set(axes),
     )
-    (partial, noise), new_model_state = add(*args)
-    return partial, noise, new_model_state
+    return add(*args)
 
-  def _reduce(self, params, partial, noise) -> tuple[Sums, Any]:
+  def _reduce(self, params, own) -> tuple[Sums, Any]:
     """The window's sums: the device slots reduced (one all-reduce, reduce-scatters for
     data-sharded params), inside the closing branch only."""
     dp, lay = self._layout.dp, self._layout
     if dp is None:
-      return partial, noise
+      return own
     plans = leaf_plans(dp, params)
     treedef = jax.tree.structure(params)
-    partial_specs, noise_specs = lay.slots(partial), lay.slots(noise)
     out_grads = treedef.unflatten([p.manual for p in plans])
 
     def per_device(partial, noise):
@@ -340,36 +314,32 @@ class MicroStep:
     reduce = jax.shard_map(
       per_device,
       mesh=dp.mesh,
-      in_specs=(partial_specs, noise_specs),
-      out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), partial.aux)), P()),
+      in_specs=lay.slots(own),
+      out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), own[0].aux)), P()),
       axis_names=set(dp.axes),
     )
-    return reduce(partial, noise)
+    return reduce(*own)
 
   def _close(self, params, new_model_state, state):
     """The call that closes the window: reduce, one inner update, empty slots."""
-    acc, opts = self._acc, self._opts
-    partial, noise = _partials(state)
-    totals, total_noise = self._reduce(params, partial, noise)
+    own = _partials(state)
+    totals, total_noise = self._reduce(params, own)
     acc_state = state.accumulate
     acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
     loss = safe_mean(totals.loss, totals.weight)
     aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    updates, new_acc = acc.close(
+    updates, new_acc = self._acc.close(
       totals.grads, totals.weight, acc_state, params, params, extra, branch=True
     )[:2]
     # The partial sums as they were: the caller clears them after its lax.cond.
-    new_state = _with_partials(state._replace(accumulate=new_acc), partial, noise)
+    new_state = _with_partials(state._replace(accumulate=new_acc), *own)
     scale = 1.0 if acc_state.loss_scale is None else acc_state.loss_scale.scale
-    metrics = {
-      "loss": loss,
-      "grad_norm": safe_mean(optax.tree.norm(totals.grads), totals.weight * scale),
-      "weight": totals.weight,
-    }
-    if opts.loss.has_aux:
+    grad_norm = safe_mean(optax.tree.norm(totals.grads), totals.weight * scale)
+    metrics = dict(loss=loss, grad_norm=grad_norm, weight=totals.weight)
+    if self._opts.loss.has_aux:
       metrics["aux"] = aux
-    if opts.has_state:  # a voided window restores float state as the window found it
+    if self.has_state:  # a voided window restores float state as the window found it
       new_model_state = keep_if_voided(new_acc.updated, new_model_state, state.window_start)
     return updates, new_model_state, new_state, metrics
 
@@ -398,9 +368,8 @@ def micro_step(
   call reduces them, once per window (slots and checkpoints: docs/data_parallel.md).
 
   Args:
-    loss_fn, has_aux, weight_fn, has_state: as in :func:`train_step`.
+    loss_fn, has_aux, weight_fn, has_state, mesh, data_axis, param_specs: as in :func:`train_step`.
     tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
-    mesh, data_axis, param_specs: as in :func:`train_step`.
     donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step (default).
 
   Returns:

@@ -110,10 +110,8 @@ class ModelStatePlan:
     if self.mode == "sequential":
       return c.state
     leaves, treedef = jax.tree.flatten(c.state)
-    s = jax.tree.leaves(self.initial)
-    return treedef.unflatten(
-      [x0 if kind else x for x, x0, kind in zip(leaves, s, self.kinds, strict=True)]
-    )
+    trios = zip(leaves, jax.tree.leaves(self.initial), self.kinds, strict=True)
+    return treedef.unflatten([x0 if kind else x for x, x0, kind in trios])
 
   def update(self, c: ModelCarry, m: Micro) -> ModelCarry:
     if self.mode != "per_window":

@@ -90,33 +90,25 @@ def train_step(
 
   def build(o: Options, jit: bool = True):
     fused = fused_step(o, acc, in_place=donate and jit)
-    return wrap_step(fused, has_state=o.has_state, donate=donate, jit=jit, k=lambda args: k)
+
+    def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
+      return fused(params, model_state, state, batch, rng, num_real_microbatches)
+
+    def step(params, state, batch, rng=None, *, num_real_microbatches=None):
+      params, _, state, metrics = fused(params, None, state, batch, rng, num_real_microbatches)
+      return params, state, metrics
+
+    step = step_with_state if has_state else step
+    if not jit:
+      return step
+    donated = tuple(range(3 if has_state else 2)) if donate else ()
+    return JitStep(jax.jit(step, donate_argnums=donated), lambda args: k)
 
   if gather_params == "auto":
     return auto_gather(
       lambda g: build(opts.with_gather(g)), opts.parallel.budget, jit, "train_step"
     )
   return build(opts, jit)
-
-
-def wrap_step(
-  fused: Callable[..., Any], *, has_state: bool, donate: bool, jit: bool, k: Callable[..., int]
-):
-  """The public signature around ``fused``: with or without model state, jitted or not."""
-
-  def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
-    return fused(params, model_state, state, batch, rng, num_real_microbatches)
-
-  def step(params, state, batch, rng=None, *, num_real_microbatches=None):
-    params, _, state, metrics = fused(params, None, state, batch, rng, num_real_microbatches)
-    return params, state, metrics
-
-  if has_state:
-    step = step_with_state
-  if not jit:
-    return step
-  donated = tuple(range(3 if has_state else 2)) if donate else ()
-  return JitStep(jax.jit(step, donate_argnums=donated), k)
 
 
 class JitStep:
