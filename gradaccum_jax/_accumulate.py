@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any, NamedTuple
 
@@ -263,12 +264,13 @@ class _Accumulator:
   ) -> tuple[Updates, AccumulateState, jax.Array]:
     """Closes a window: one inner update on ``acc_grads / acc_weight``.
 
-    Returns the new params (``branch``: the updates), the new state and the mean gradient's
-    global norm (float32). A window of zero or non-finite total weight, or (with
-    ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided, the params and inner state
-    kept: by selects (the default), a loop of 0 or 1 trips (``in_place``: a donated fused step)
-    or a ``lax.cond`` (``branch``: streaming calls, whose caller clears ``acc_grads`` after its
-    own ``lax.cond``: ``_close_if``). Why each: docs/architecture.md, "Closing a window".
+    Returns the new params (``branch`` without ``in_place``: the updates), the new state and
+    the mean gradient's global norm (float32). A window of zero or non-finite total weight, or
+    (with ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided, the params and inner
+    state kept: by selects (the default), a loop of 0 or 1 trips (``in_place``: a donated fused
+    step) or a ``lax.cond`` (``branch``: streaming calls, whose caller clears ``acc_grads``
+    after its own ``lax.cond``: ``_close_if``). Why each: docs/architecture.md, "Closing a
+    window".
     """
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -284,7 +286,10 @@ class _Accumulator:
       ok = ok & jnp.isfinite(sq)
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
-    mode = self._in_branch if branch else self._in_loop if in_place else self._in_selects
+    if branch:
+      mode = functools.partial(self._in_branch, apply=in_place)
+    else:
+      mode = self._in_loop if in_place else self._in_selects
     inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
     updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state)
     noise = after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale)
@@ -308,28 +313,32 @@ class _Accumulator:
 
     def run(carry):
       updates, state = inner(*carry)
-      return jax.tree.map(lambda p, u: p + u.astype(p.dtype), carry[0], updates), state
+      return _applied(carry[0], updates), state
 
     done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
     cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
     return *out, cleared
 
   @staticmethod
-  def _in_branch(ok, inner, acc_grads, params, inner_state):
-    """Updates or zeros in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
+  def _in_branch(ok, inner, acc_grads, params, inner_state, apply):
+    """Updates or zeros (``apply``: the new or the old params, written over donated ones) and
+    the inner state, in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
+
+    def run(carry):
+      updates, state = inner(*carry)
+      return (_applied(carry[0], updates) if apply else updates), state
 
     def keep(carry):
-      return zeros_like_output(inner, *carry)[0], carry[1]
+      return (carry[0] if apply else zeros_like_output(inner, *carry)[0]), carry[1]
 
-    updates, inner_state = jax.lax.cond(ok, lambda c: inner(*c), keep, (params, inner_state))
-    return updates, inner_state, acc_grads
+    return *jax.lax.cond(ok, run, keep, (params, inner_state)), acc_grads
 
   @staticmethod
   def _in_selects(ok, inner, acc_grads, params, inner_state):
     """The new params (the old ones for a voided window) and inner state by selects (best
     undonated: the results are new buffers)."""
     updates, new_inner = inner(params, inner_state)
-    updates = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), params, updates)
+    updates = jax.tree.map(lambda p, new: jnp.where(ok, new, p), params, _applied(params, updates))
     new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
     return updates, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
 
@@ -417,6 +426,10 @@ class _Accumulator:
       closed, updates, state = jax.lax.cond(closes, close, hold, state)
     acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
     return updates, state._replace(acc_grads=acc)
+
+
+def _applied(params: Params, updates: Updates) -> Params:
+  return jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
 
 
 def zeros_like_output(fn: Any, *args: Any) -> Any:

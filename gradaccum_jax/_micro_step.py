@@ -101,6 +101,7 @@ class MicroStep:
     donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
+    self._in_place = donate and jit  # the closing branch writes the params over the donated ones
 
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
@@ -217,24 +218,27 @@ class MicroStep:
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
     # only read the partial sums; they are cleared after it, in place (as in _close_if).
-    # The branches return updates, applied after the lax.cond, as tx.update's are: a branch
-    # that passed the params through would make XLA copy the inner state.
-    def close(new_model_state, state):
+    # Donated, the closing branch writes the new params over the old ones (the plain step's
+    # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
+    # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
+    in_place = self._in_place
+
+    def close(params, new_model_state, state):
       return (jnp.ones((), bool), *self._close(params, new_model_state, state))
 
-    def hold(new_model_state, state):  # zero updates, the sums kept, NaN metrics
-      closed, _, _, _, metrics = zeros_like_output(close, new_model_state, state)
-      updates = jax.tree.map(jnp.zeros_like, params)  # typed as the params on a mesh
+    def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
+      closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
+      kept = params if in_place else jax.tree.map(jnp.zeros_like, params)  # typed as params
       acc = state.accumulate
       acc = acc._replace(micro_step=optax.safe_increment(acc.micro_step), updated=closed)
       nan = jax.tree.map(lambda m: m if not is_inexact(m) else jnp.full_like(m, jnp.nan), metrics)
-      return closed, updates, new_model_state, state._replace(accumulate=acc), nan
+      return closed, kept, new_model_state, state._replace(accumulate=acc), nan
 
-    closed, updates, new_model_state, state, metrics = jax.lax.cond(
-      emit, close, hold, new_model_state, state
+    closed, out, new_model_state, state, metrics = jax.lax.cond(
+      emit, close, hold, params, new_model_state, state
     )
     empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), _partials(state))
-    new_params = place_params(lay.dp, optax.apply_updates(params, updates))
+    new_params = place_params(lay.dp, out if in_place else optax.apply_updates(params, out))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
     # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
     acc_state = state.accumulate
@@ -321,7 +325,7 @@ class MicroStep:
     return reduce(*own)
 
   def _close(self, params, new_model_state, state):
-    """The call that closes the window: reduce, one inner update, empty slots."""
+    """The call that closes the window: reduce, one inner update (donated: applied), empty slots."""
     own = _partials(state)
     totals, total_noise = self._reduce(params, own)
     acc_state = state.accumulate
@@ -329,8 +333,8 @@ class MicroStep:
     loss = safe_mean(totals.loss, totals.weight)
     aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    updates, new_acc = self._acc.close(
-      totals.grads, totals.weight, acc_state, params, params, extra, branch=True
+    out, new_acc = self._acc.close(
+      totals.grads, totals.weight, acc_state, params, params, extra, self._in_place, branch=True
     )[:2]
     # The partial sums as they were: the caller clears them after its lax.cond.
     new_state = _with_partials(state._replace(accumulate=new_acc), *own)
@@ -341,7 +345,7 @@ class MicroStep:
       metrics["aux"] = aux
     if self.has_state:  # a voided window restores float state as the window found it
       new_model_state = keep_if_voided(new_acc.updated, new_model_state, state.window_start)
-    return updates, new_model_state, new_state, metrics
+    return out, new_model_state, new_state, metrics
 
 
 def micro_step(
