@@ -99,7 +99,10 @@ def test_without_a_mesh_it_equals_train_step_with_aux_and_does_not_retrace():
 
 
 @pytest.mark.slow
-def test_with_model_state_k_calls_thread_it_as_train_step_does():
+@pytest.mark.parametrize("donate", [False, True], ids=["undonated", "donated"])
+def test_with_model_state_k_calls_thread_it_as_train_step_does(donate):
+  """Donated, the closing branch writes the new params over the old ones; undonated it returns
+  updates: both equal train_step."""
   k, m = 4, 0.5
   params = init_mlp(jax.random.key(0), SIZES)
   batch = data(8 * k)
@@ -112,7 +115,7 @@ def test_with_model_state_k_calls_thread_it_as_train_step_does():
   tx = ga.accumulate(optax.adam(1e-2), k)
   fused = ga.train_step(loss_fn, tx, has_state=True)
   pf, sf, _, mf = fused(params, model_state, tx.init(params), batch)
-  step = ga.micro_step(loss_fn, tx, has_state=True)
+  step = ga.micro_step(loss_fn, tx, has_state=True, donate=donate)
   p, s, state = params, model_state, step.init(params)
   for i in range(k):
     p, s, state, metrics = step(p, s, state, ga.microbatch(batch, i, k))
@@ -244,7 +247,10 @@ def test_a_window_saved_on_a_mesh_resumes_without_one_and_in_the_fused_step():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
-def test_from_tx_init_it_equals_train_step_window_for_window_and_the_modes_share_a_state(specs):
+@pytest.mark.parametrize("donate", [False, True], ids=["undonated", "donated"])
+def test_from_tx_init_it_equals_train_step_window_for_window_and_the_modes_share_a_state(
+  specs, donate
+):
   """On 8 devices: windows 1 and 3 streamed by micro_step, window 2 fused by train_step, each
   starting from the state the other returned (tx.init's first), equal train_step alone; the
   streamed step compiles twice (tx.init's state, then its own layout), not once per call."""
@@ -255,7 +261,8 @@ def test_from_tx_init_it_equals_train_step_window_for_window_and_the_modes_share
   kw = {"mesh": mesh, "param_specs": specs}
   fused = ga.train_step(xent_loss, tx, **kw)
   traces = []
-  streamed = ga.micro_step(lambda p, mb: (traces.append(1), xent_loss(p, mb))[1], tx, **kw)
+  loss_fn = lambda p, mb: (traces.append(1), xent_loss(p, mb))[1]  # noqa: E731
+  streamed = ga.micro_step(loss_fn, tx, donate=donate, **kw)
   place = lambda t: put(t, mesh, P() if specs is None else specs)  # noqa: E731
   pf, sf = place(params), tx.init(place(params))
   p, s = place(params), tx.init(place(params))
@@ -347,13 +354,14 @@ def ema_loss(p, ms, mb):
 
 
 @pytest.mark.parametrize("bad", [0, 1, 2])
-def test_a_voided_window_restores_the_model_state_the_window_found(bad):
+@pytest.mark.parametrize("donate", [False, True], ids=["undonated", "donated"])
+def test_a_voided_window_restores_the_model_state_the_window_found(bad, donate):
   """A NaN in any micro-batch of a window voids it: micro_step returns the float model state
   as the window found it, not the NaN of a later call nor the updates of the clean calls
   before the bad one (as train_step does). The next window then trains from it."""
   k = 3
   tx = ga.accumulate(optax.sgd(0.1), k)
-  step = ga.micro_step(ema_loss, tx, has_state=True)
+  step = ga.micro_step(ema_loss, tx, has_state=True, donate=donate)
   w, ms = jnp.zeros(3), {"ema": jnp.asarray(0.25)}
   state = step.init(w, model_state=ms)
   rows = np.random.default_rng(0).standard_normal((k, 4, 3)).astype(np.float32)
