@@ -200,12 +200,14 @@ class Off:
   def init(self, *args: Any) -> tuple[()]:
     return ()
 
-  update = init  # (carry, micro-batch) -> ()
+  def update(self, carry: tuple[()], m: Micro) -> tuple[()]:
+    return ()
 
-  def start(self, *args: Any) -> None:
+  def start(self, carry: tuple[()]) -> None:
     return None
 
-  finish = start  # (carry, num) -> None
+  def finish(self, carry: tuple[()], num: Any) -> None:
+    return None
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:
