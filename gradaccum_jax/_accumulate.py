@@ -193,9 +193,10 @@ def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
   precision (complex for a complex leaf; the params' dtypes if None)."""
 
   def zeros(p):
-    dtype = jnp.result_type(p) if accum_dtype is None else accum_dtype
-    if accum_dtype is not None and jnp.issubdtype(jnp.result_type(p), jnp.complexfloating):
-      dtype = jnp.promote_types(accum_dtype, jnp.complex64)
+    dtype = jnp.result_type(p)
+    if accum_dtype is not None:
+      complex_leaf = jnp.issubdtype(dtype, jnp.complexfloating)
+      dtype = jnp.promote_types(accum_dtype, jnp.complex64) if complex_leaf else accum_dtype
     return jnp.zeros_like(p, dtype)
 
   return jax.tree.map(zeros, params)
@@ -338,9 +339,10 @@ class _Accumulator:
     """The new params (the old ones for a voided window) and inner state by selects (best
     undonated: the results are new buffers)."""
     updates, new_inner = inner(params, inner_state)
-    updates = jax.tree.map(lambda p, new: jnp.where(ok, new, p), params, _applied(params, updates))
+    new_params = _applied(params, updates)
+    new_params = jax.tree.map(lambda p, new: jnp.where(ok, new, p), params, new_params)
     new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
-    return updates, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
+    return new_params, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
 
   def _inner_update(self, mean, inner_state, params, extra_args):
     """``inner.update`` on the window's mean gradient, with errors that say what ga passes."""
