@@ -435,8 +435,8 @@ def _applied(params: Params, updates: Updates) -> Params:
 
 
 def zeros_like_output(fn: Any, *args: Any) -> Any:
-  """Zeros shaped as ``fn(*args)``'s output (traced, not run)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+  """Zeros shaped, typed and sharded as ``fn(*args)``'s output (traced, not run)."""
+  return jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, *args))
 
 
 def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:

@@ -199,6 +199,44 @@ def test_sharded_params_match_the_big_batch_step_and_keep_their_sharding():
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_streaming_updates_on_sharded_params_match_the_big_batch_step(kind):
+  """jax.grad + tx.update (jitted, sharding-in-types on an explicit mesh) on FSDP params, a
+  window and a flushed half window: the big-batch steps' params. On an explicit mesh, the zero
+  updates of a call that holds are sharded like the params (before: a lax.cond TypeError)."""
+  mesh, k = mesh_1d(kind), 2
+  params = init_mlp(jax.random.key(0), SIZES)
+  micro = [data(8, key=i) for i in range(k + 1)]
+  inner = optax.adam(1e-2)
+  whole = lambda mbs: {n: np.concatenate([mb[n] for mb in mbs]) for n in mbs[0]}  # noqa: E731
+  expected, _ = plain_steps(xent_loss, inner, params, [whole(micro[:k]), whole(micro[k:])])
+  tx, replicated = ga.accumulate(inner, k), NamedSharding(mesh, P())
+
+  def loss_fn(p, mb):  # gathered for the forward; the gradient comes back sharded like p
+    return xent_loss(jax.tree.map(lambda x: jax.sharding.reshard(x, replicated), p), mb)
+
+  @jax.jit
+  def update(p, state, mb):
+    updates, state = tx.update(jax.grad(loss_fn)(p, mb), state, p)
+    return optax.apply_updates(p, updates), state
+
+  @jax.jit
+  def flush(p, state):
+    updates, state = ga.flush(tx, state, p)
+    return optax.apply_updates(p, updates), state
+
+  with jax.set_mesh(mesh):  # as explicit sharding is used
+    p = put(params, mesh, FSDP)
+    state = tx.init(p)
+    for mb in micro:
+      p, state = update(p, state, put(mb, mesh, P("data")))
+    p, state = flush(p, state)
+  assert int(state.count) == 2
+  assert_trees_close(p, expected)
+  for leaf, spec in zip(jax.tree.leaves(p), jax.tree.leaves(FSDP), strict=True):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
 @pytest.mark.parametrize("param_dtype,accum_dtype", [(jnp.bfloat16, jnp.float32), (None, None)])
 def test_init_shards_the_accumulator_like_the_params(kind, param_dtype, accum_dtype):
   """Each device holds its shard of the accumulator from ``init`` on, as of optax's ``mu``,
