@@ -299,6 +299,53 @@ def streaming_bytes(model: str, inner_name: str, k: int = 8) -> dict[str, int]:
   return out
 
 
+def mesh_streaming_bytes(layout: str, inner_name: str, k: int = 8) -> dict[str, int]:
+  """:func:`streaming_bytes` per device on 8 devices (an explicit ``"data"`` mesh), for the MLP
+  replicated or FSDP (``layout``: ``"replicated"``, ``"fsdp"``); ``plain``, ``stream`` and
+  ``multisteps`` leave the sharding to GSPMD (a gradient reduction per call), ``micro`` is
+  ``ga.micro_step(..., mesh=mesh)`` (per-device sums, one reduction per window). ``"A"``: one
+  float32 copy of the params as a device stores them."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params, loss_fn, micro = mlp_model(b=32)
+  specs = jax.tree.map(lambda x: P(), params) if layout == "replicated" else _fsdp_specs(params)
+  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+  params = jax.tree.map(placed, params, specs)
+  micro = jax.tree.map(lambda x: placed(x, P("data")), micro)
+  like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
+    lambda x: placed(x, P() if x.sharding is None else x.sharding.spec), tree
+  )
+  inner = STREAMING_INNERS[inner_name]()
+  tx, ms = ga.accumulate(inner, k), optax.MultiSteps(inner, every_k_schedule=k)
+
+  def with_update(update):
+    def step(p, s, mb):
+      updates, s = update(jax.grad(loss_fn)(p, mb), s, p)
+      return optax.apply_updates(p, updates), s
+
+    return step
+
+  calls = {
+    "plain": (with_update(inner.update), inner.init),
+    "stream": (with_update(tx.update), tx.init),
+    "multisteps": (multisteps_call(loss_fn, ms), ms.init),
+  }
+  out = {"A": sum(x.size * 4 // (1 if s == P() else 8)
+                  for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True))}  # fmt: skip
+  with jax.set_mesh(mesh):
+    for donate in (True, False):
+      tag = "" if donate else "_undonated"
+      for name, (fn, init) in calls.items():
+        jitted = jax.jit(fn, donate_argnums=(0, 1) if donate else ())
+        state = like(jax.eval_shape(init, params))
+        out[name + tag] = peak(jitted.lower(params, state, micro).compile())
+      step = ga.micro_step(
+        loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs, donate=donate
+      )
+      state = like(jax.eval_shape(step.init, params))
+      out["micro" + tag] = peak(step.lower(params, state, micro).compile())
+  return out
+
+
 def streaming_report(rows) -> str:
   names = ("stream", "micro", "multisteps")
   lines = [
@@ -368,6 +415,11 @@ def main(argv=None):
   rows = {model: {k: window_bytes(model, k) for k in ks} for model in MODELS}
   mesh_rows = {layout: {k: mesh_window_bytes(layout, k) for k in ks} for layout in LAYOUTS}
   stream_rows = {(m, i): streaming_bytes(m, i) for m in MODELS for i in STREAMING_INNERS}
+  mesh_stream_rows = {
+    (layout, i): mesh_streaming_bytes(layout, i)
+    for layout in ("replicated", "fsdp")
+    for i in STREAMING_INNERS
+  }
   meta = {
     "backend": jax.default_backend(), "jax": jax.__version__, "optax": optax.__version__,
     "python": platform.python_version(), "inner": "adam",
@@ -383,6 +435,9 @@ def main(argv=None):
     + "\n\n## Streaming: one call per micro-batch, k = 8\n\nPeak of one call above the"
     " donated plain micro-batch step's (jax.grad + the inner update), in A.\n\n"
     + streaming_report(stream_rows)
+    + "\n\nOn 8 devices, per device, the MLP (A as a device stores the params; the model"
+    " column is the layout): ga.micro_step with mesh=, the others sharded by GSPMD.\n\n"
+    + streaming_report(mesh_stream_rows)
     + "\n"
   )
   print(md)
@@ -396,6 +451,7 @@ def main(argv=None):
           "rows": rows,
           "mesh_rows": mesh_rows,
           "stream_rows": {f"{m}/{i}": r for (m, i), r in stream_rows.items()},
+          "mesh_stream_rows": {f"{m}/{i}": r for (m, i), r in mesh_stream_rows.items()},
         },
         indent=2,
       )

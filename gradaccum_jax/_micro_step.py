@@ -211,9 +211,11 @@ class MicroStep:
       saved = model_state if state.window_start is None else state.window_start
       start = keep_if_voided(acc_state.micro_step == 0, model_state, saved)  # its float leaves
       state = state._replace(window_start=start)
-    add = self._add_own if lay.dp is None else self._add_on_mesh
-    own, new_model_state = add(params, microbatch, rng, _partials(state), model_state, scale)
-    state = _with_partials(state, *own)
+    local = self._local if lay.dp is None else self._local_on_mesh
+    new, new_model_state = local(params, microbatch, rng, _partials(state), model_state, scale)
+    # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
+    # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
+    state = _with_partials(state, *_add(_partials(state), new))
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
@@ -245,18 +247,16 @@ class MicroStep:
     metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
     return new_params, new_model_state, _with_partials(state, *empty), metrics
 
-  def _add_own(self, params, mb, rng, own, model_state, scale, axes=()):
-    """``own`` (a slot's sums and noise sums) plus the micro-batch's, and the new model state."""
-    w = self._mg.local_sums(
-      params, mb, rng, jax.tree.map(jnp.zeros_like, own[0].grads), model_state, scale, None, axes
-    )
+  def _local(self, params, mb, rng, own, model_state, scale, axes=()):
+    """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model state."""
+    zeros = jax.tree.map(jnp.zeros_like, own[0].grads)
+    w = self._mg.local_sums(params, mb, rng, zeros, model_state, scale, None, axes)
     # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
     devices = self._layout.devices
-    sums, noise = self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices)
-    return _add(own, (sums, noise)), w.model_state
+    return self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
 
-  def _add_on_mesh(self, params, mb, rng, own, model_state, scale):
-    """Every device adds its rows' sums to its own slot, with no gradient collective."""
+  def _local_on_mesh(self, params, mb, rng, own, model_state, scale):
+    """Every device's sums of its rows, in its own slot, with no gradient collective."""
     dp, lay = self._layout.dp, self._layout
     axes, mesh = dp.axes, dp.mesh
     plans = leaf_plans(dp, params)
@@ -271,7 +271,7 @@ class MicroStep:
       if rng is not None:
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
       own = jax.tree.map(lambda x: x[0], own)
-      new, new_model_state = self._add_own(params, mb, rng, own, model_state, scale, axes)
+      new, new_model_state = self._local(params, mb, rng, own, model_state, scale, axes)
       return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
 
     args = (params, mb, rng, own, model_state, scale)

@@ -76,6 +76,27 @@ def test_a_streaming_call_holds_the_accumulator_and_less_than_multisteps(model, 
     assert r["micro"] <= r["stream"] - 0.35 * a, r  # the params written in the branch
 
 
+@pytest.mark.parametrize("inner", list(memory_floor.STREAMING_INNERS))
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_a_streaming_call_on_a_mesh_holds_the_accumulator_and_less_than_multisteps(layout, inner):
+  """On 8 devices, per device (A: the params as a device stores them), the MLP: a donated
+  ga.micro_step call (each device adds its rows to its own slot; one reduction per window)
+  holds at most the plain GSPMD micro-batch step + 1.1 A, and less than optax.MultiSteps'
+  call, which reduces every call. Before, the slots were added inside the shard_map and XLA:CPU
+  fused that add into the select clearing them after the lax.cond, then copied them: + 2.00 A
+  replicated, + 8.96 A FSDP (whose slot is a whole gradient, 8 A). jax.grad + tx.update on
+  GSPMD-sharded params, + 1.00 A. Undonated, micro_step keeps the window's sums in a buffer of
+  their own before the branch, as tx.update does: 1.00 A over MultiSteps' replicated, 3.05 A
+  FSDP."""
+  r = memory_floor.mesh_streaming_bytes(layout, inner)
+  a = r["A"]
+  assert r["micro"] <= r["plain"] + 1.1 * a, r
+  assert r["micro"] < r["multisteps"], r
+  assert r["stream"] <= r["plain"] + 1.1 * a, r
+  over = 1.05 if layout == "replicated" else 3.1
+  assert r["micro_undonated"] <= r["multisteps_undonated"] + over * a, r
+
+
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
 def test_no_other_form_of_a_streaming_close_holds_less(inner):
   """benchmarks/streaming_forms.py writes the close of a streaming call (MLP, sgd and adam) by
