@@ -27,6 +27,7 @@ gathered and reduce-scattered per micro-batch into a sharded accumulator), donat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -266,56 +267,33 @@ def mesh_window_bytes(layout: str, k: int, inner=None) -> dict[str, int]:
 STREAMING_INNERS = {"adam": lambda: optax.adam(1e-3), "sgd": lambda: optax.sgd(1e-3)}
 
 
-def streaming_bytes(model: str, inner_name: str, k: int = 8) -> dict[str, int]:
+def streaming_bytes(model: str, inner_name: str, k: int = 8, layout: str | None = None) -> dict:
   """Peak bytes of one call per micro-batch, each donated and not (``_undonated``): ``plain``
   (``jax.grad`` + the inner update, the floor), ``stream`` (``jax.grad`` + ``tx.update``),
-  ``micro`` (``ga.micro_step``) and ``multisteps`` (``optax.MultiSteps``); and ``"A"``."""
+  ``micro`` (``ga.micro_step``) and ``multisteps`` (``optax.MultiSteps``); and ``"A"``.
+
+  With ``layout`` (``"replicated"``, ``"fsdp"``; the MLP): per device on 8 devices, an
+  explicit ``"data"`` mesh; ``plain``, ``stream`` and ``multisteps`` are sharded by GSPMD (a
+  gradient reduction per call), ``micro`` is ``ga.micro_step(..., mesh=mesh)`` (per-device
+  sums, one reduction per window); ``"A"`` is the params as a device stores them."""
   params, loss_fn, micro = MODELS[model]()
   inner = STREAMING_INNERS[inner_name]()
   tx, ms = ga.accumulate(inner, k), optax.MultiSteps(inner, every_k_schedule=k)
-
-  def with_update(update):
-    def step(p, s, mb):
-      updates, s = update(jax.grad(loss_fn)(p, mb), s, p)
-      return optax.apply_updates(p, updates), s
-
-    return step
-
-  calls = {
-    "plain": (with_update(inner.update), inner.init),
-    "stream": (with_update(tx.update), tx.init),
-    "multisteps": (multisteps_call(loss_fn, ms), ms.init),
-  }
   out = {"A": sum(x.size * 4 for x in jax.tree.leaves(params))}
-  for donate in (True, False):
-    tag = "" if donate else "_undonated"
-    for name, (fn, init) in calls.items():
-      jitted = jax.jit(fn, donate_argnums=(0, 1) if donate else ())
-      out[name + tag] = peak(jitted.lower(params, jax.eval_shape(init, params), micro).compile())
-    step = ga.micro_step(loss_fn, tx, donate=donate)
-    out["micro" + tag] = peak(
-      step.lower(params, jax.eval_shape(step.init, params), micro).compile()
+  like, micro_kw, context = (lambda tree: tree), {}, contextlib.nullcontext()
+  if layout is not None:
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    specs = jax.tree.map(lambda x: P(), params) if layout == "replicated" else _fsdp_specs(params)
+    placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+    like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
+      lambda x: placed(x, P() if x.sharding is None else x.sharding.spec), tree
     )
-  return out
-
-
-def mesh_streaming_bytes(layout: str, inner_name: str, k: int = 8) -> dict[str, int]:
-  """:func:`streaming_bytes` per device on 8 devices (an explicit ``"data"`` mesh), for the MLP
-  replicated or FSDP (``layout``: ``"replicated"``, ``"fsdp"``); ``plain``, ``stream`` and
-  ``multisteps`` leave the sharding to GSPMD (a gradient reduction per call), ``micro`` is
-  ``ga.micro_step(..., mesh=mesh)`` (per-device sums, one reduction per window). ``"A"``: one
-  float32 copy of the params as a device stores them."""
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-  params, loss_fn, micro = mlp_model(b=32)
-  specs = jax.tree.map(lambda x: P(), params) if layout == "replicated" else _fsdp_specs(params)
-  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
-  params = jax.tree.map(placed, params, specs)
-  micro = jax.tree.map(lambda x: placed(x, P("data")), micro)
-  like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
-    lambda x: placed(x, P() if x.sharding is None else x.sharding.spec), tree
-  )
-  inner = STREAMING_INNERS[inner_name]()
-  tx, ms = ga.accumulate(inner, k), optax.MultiSteps(inner, every_k_schedule=k)
+    out["A"] = sum(x.size * 4 // (1 if s == P() else 8)
+                   for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True))  # fmt: skip
+    params = jax.tree.map(placed, params, specs)
+    micro = jax.tree.map(lambda x: placed(x, P("data")), micro)
+    micro_kw = {"mesh": mesh, "param_specs": None if layout == "replicated" else specs}
+    context = jax.set_mesh(mesh)
 
   def with_update(update):
     def step(p, s, mb):
@@ -329,18 +307,14 @@ def mesh_streaming_bytes(layout: str, inner_name: str, k: int = 8) -> dict[str, 
     "stream": (with_update(tx.update), tx.init),
     "multisteps": (multisteps_call(loss_fn, ms), ms.init),
   }
-  out = {"A": sum(x.size * 4 // (1 if s == P() else 8)
-                  for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True))}  # fmt: skip
-  with jax.set_mesh(mesh):
+  with context:
     for donate in (True, False):
       tag = "" if donate else "_undonated"
       for name, (fn, init) in calls.items():
         jitted = jax.jit(fn, donate_argnums=(0, 1) if donate else ())
         state = like(jax.eval_shape(init, params))
         out[name + tag] = peak(jitted.lower(params, state, micro).compile())
-      step = ga.micro_step(
-        loss_fn, tx, mesh=mesh, param_specs=None if layout == "replicated" else specs, donate=donate
-      )
+      step = ga.micro_step(loss_fn, tx, donate=donate, **micro_kw)
       state = like(jax.eval_shape(step.init, params))
       out["micro" + tag] = peak(step.lower(params, state, micro).compile())
   return out
@@ -416,7 +390,7 @@ def main(argv=None):
   mesh_rows = {layout: {k: mesh_window_bytes(layout, k) for k in ks} for layout in LAYOUTS}
   stream_rows = {(m, i): streaming_bytes(m, i) for m in MODELS for i in STREAMING_INNERS}
   mesh_stream_rows = {
-    (layout, i): mesh_streaming_bytes(layout, i)
+    (layout, i): streaming_bytes("mlp", i, layout=layout)
     for layout in ("replicated", "fsdp")
     for i in STREAMING_INNERS
   }

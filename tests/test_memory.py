@@ -88,7 +88,7 @@ def test_a_streaming_call_on_a_mesh_holds_the_accumulator_and_less_than_multiste
   GSPMD-sharded params, + 1.00 A. Undonated, micro_step keeps the window's sums in a buffer of
   their own before the branch, as tx.update does: 1.00 A over MultiSteps' replicated, 3.05 A
   FSDP."""
-  r = memory_floor.mesh_streaming_bytes(layout, inner)
+  r = memory_floor.streaming_bytes("mlp", inner, layout=layout)
   a = r["A"]
   assert r["micro"] <= r["plain"] + 1.1 * a, r
   assert r["micro"] < r["multisteps"], r
