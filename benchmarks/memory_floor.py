@@ -217,17 +217,28 @@ def mesh_min_scan(loss_fn, inner, k, mesh, specs, per_microbatch):
   return step
 
 
-def mesh_window_bytes(layout: str, k: int, inner=None) -> dict[str, int]:
-  """Per-device peak bytes of ``mesh_min_scan`` and ga.train_step (donated and not) on 8
-  devices, for the MLP in ``layout``; ``"A"``: one float32 copy of the params per device."""
+def _mlp_on_mesh(layout: str) -> tuple:
+  """The MLP on 8 devices, replicated (``layout="replicated"``) or FSDP (any other):
+  ``(mesh, specs, params, loss_fn, micro, like, a)``. ``params`` are ShapeDtypeStructs placed
+  by ``specs``; ``like`` places an ``eval_shape`` tree as its types say (replicated where they
+  say nothing); ``a`` is one float32 copy of the params per device."""
   # Explicit, so that eval_shape's state carries the params' shardings in its types.
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   params, loss_fn, micro = mlp_model(b=32)
   specs = jax.tree.map(lambda x: P(), params) if layout == "replicated" else _fsdp_specs(params)
-  placed = lambda tree, spec: jax.tree.map(  # noqa: E731
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), tree, spec
+  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+  like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
+    lambda x: placed(x, P() if x.sharding is None else x.sharding.spec), tree
   )
-  params = placed(params, specs)
+  a = sum(x.size * 4 // (1 if s == P() else 8)
+          for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True))  # fmt: skip
+  return mesh, specs, jax.tree.map(placed, params, specs), loss_fn, micro, like, a
+
+
+def mesh_window_bytes(layout: str, k: int, inner=None) -> dict[str, int]:
+  """Per-device peak bytes of ``mesh_min_scan`` and ga.train_step (donated and not) on 8
+  devices, for the MLP in ``layout``; ``"A"``: one float32 copy of the params per device."""
+  mesh, specs, params, loss_fn, micro, like, a = _mlp_on_mesh(layout)
   inner = inner or optax.adam(1e-3)
   tx = ga.accumulate(inner, k)
   batch = jax.tree.map(
@@ -236,20 +247,13 @@ def mesh_window_bytes(layout: str, k: int, inner=None) -> dict[str, int]:
     ),
     micro,
   )
-  like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
-    lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, P() if x.sharding is None else x.sharding.spec)
-    ),
-    tree,
-  )
   with jax.set_mesh(mesh):  # so that eval_shape's outputs carry the shardings (jax 0.12)
     state, ga_state = jax.eval_shape(inner.init, params), jax.eval_shape(tx.init, params)
   state, ga_state = like(state), like(ga_state)
   per_mb = layout == "fsdp_per_microbatch"
   floor = mesh_min_scan(loss_fn, inner, k, mesh, specs, per_mb)
   out = {
-    "A": sum(x.size * 4 // (1 if s == P() else 8)
-             for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True)),
+    "A": a,
     "mesh_min_scan": peak(
       jax.jit(floor, donate_argnums=(0, 1)).lower(params, state, batch).compile()
     ),
@@ -276,24 +280,21 @@ def streaming_bytes(model: str, inner_name: str, k: int = 8, layout: str | None 
   explicit ``"data"`` mesh; ``plain``, ``stream`` and ``multisteps`` are sharded by GSPMD (a
   gradient reduction per call), ``micro`` is ``ga.micro_step(..., mesh=mesh)`` (per-device
   sums, one reduction per window); ``"A"`` is the params as a device stores them."""
-  params, loss_fn, micro = MODELS[model]()
-  inner = STREAMING_INNERS[inner_name]()
-  tx, ms = ga.accumulate(inner, k), optax.MultiSteps(inner, every_k_schedule=k)
-  out = {"A": sum(x.size * 4 for x in jax.tree.leaves(params))}
-  like, micro_kw, context = (lambda tree: tree), {}, contextlib.nullcontext()
-  if layout is not None:
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    specs = jax.tree.map(lambda x: P(), params) if layout == "replicated" else _fsdp_specs(params)
-    placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
-    like = lambda tree: jax.tree.map(  # noqa: E731  (eval_shape gives no concrete mesh)
-      lambda x: placed(x, P() if x.sharding is None else x.sharding.spec), tree
+  if layout is None:
+    params, loss_fn, micro = MODELS[model]()
+    a, like, micro_kw = sum(x.size * 4 for x in jax.tree.leaves(params)), (lambda t: t), {}
+    context = contextlib.nullcontext()
+  else:
+    mesh, specs, params, loss_fn, micro, like, a = _mlp_on_mesh(layout)
+    micro = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data"))),
+      micro,
     )
-    out["A"] = sum(x.size * 4 // (1 if s == P() else 8)
-                   for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True))  # fmt: skip
-    params = jax.tree.map(placed, params, specs)
-    micro = jax.tree.map(lambda x: placed(x, P("data")), micro)
     micro_kw = {"mesh": mesh, "param_specs": None if layout == "replicated" else specs}
     context = jax.set_mesh(mesh)
+  inner = STREAMING_INNERS[inner_name]()
+  tx, ms = ga.accumulate(inner, k), optax.MultiSteps(inner, every_k_schedule=k)
+  out = {"A": a}
 
   def with_update(update):
     def step(p, s, mb):
