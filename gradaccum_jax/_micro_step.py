@@ -212,10 +212,11 @@ class MicroStep:
       start = keep_if_voided(acc_state.micro_step == 0, model_state, saved)  # its float leaves
       state = state._replace(window_start=start)
     local = self._local if lay.dp is None else self._local_on_mesh
-    new, new_model_state = local(params, microbatch, rng, _partials(state), model_state, scale)
+    own = _partials(state)
+    new, new_model_state = local(params, microbatch, rng, own, model_state, scale)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    state = _with_partials(state, *_add(_partials(state), new))
+    state = _with_partials(state, *_add(own, new))
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
