@@ -66,7 +66,8 @@ class AccumulateState(NamedTuple):
 class MicroStepState(NamedTuple):
   """State of a :func:`micro_step`: an :class:`AccumulateState` and the open window's loss sums.
 
-  Every mode takes it (``tx.update``, :func:`train_step`, :func:`flush` total the device slots
+  It answers every :class:`AccumulateState` field (``state.count``, ``state.inner_state``, ...;
+  ``acc_grads`` and ``acc_weight`` totalled over the device slots). Every mode takes it (``tx.update``, :func:`train_step`, :func:`flush` total the device slots
   and drop the loss sums), and :func:`micro_step` takes theirs.
 
   Attributes:
@@ -74,7 +75,8 @@ class MicroStepState(NamedTuple):
       mesh: ``acc_grads``, ``acc_weight`` and the open-window noise sums (``sq_sum``, ``num``,
       ``examples``) have a leading axis of ``D`` slots, one per data-parallel device, sharded
       over the data axes; the window's sums are their total.
-    loss_sum: :math:`\\sum_i w_i L_i` over the open window (float32; ``(D,)`` with a mesh).
+    loss_sum: :math:`\\sum_i w_i L_i` over the open window (float32, or the loss's dtype if
+      wider; ``(D,)`` with a mesh).
     aux_sum: with ``has_aux``, the open window's aux sums (a leading ``D`` axis with a mesh).
     window_start: with ``has_state``, the model state as the open window found it, which a
       voided window restores; None until the first call.
@@ -84,6 +86,18 @@ class MicroStepState(NamedTuple):
   loss_sum: jax.Array
   aux_sum: Any = None
   window_start: Any = None
+
+  def __getattr__(self, name: str) -> Any:
+    """Every :class:`AccumulateState` field, as in every mode's state: ``count``,
+    ``inner_state``, ... of ``accumulate``; ``acc_grads`` and ``acc_weight`` the window's
+    totals (the device slots summed)."""
+    if name not in AccumulateState._fields:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    return getattr(slot_totals(self), name)
+
+  @property
+  def count(self) -> jax.Array:  # else tuple.count
+    return self.accumulate.count
 
 
 def slot_totals(state: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,27 @@ NumMicrobatches = int | Callable[[jax.Array], Any]
 def is_inexact(x: Any) -> bool:
   """Whether ``x`` is a float or complex array (or Python number)."""
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def is_running_mean(acc: Any) -> bool:
+  """Whether an accumulator leaf keeps the running weighted mean (updated in float32, as in
+  ``optax.MultiSteps``) instead of the sum: a float narrower than float32 (its sum overflows)."""
+  dtype = jnp.result_type(acc)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def check_accumulator_on_mesh(acc: Any, where: str) -> None:
+  """ValueError naming ``where`` if an accumulator leaf (or the ``accum_dtype`` given as
+  ``acc``) keeps running means: the data-parallel reduction of every mode sums the devices'
+  shares, which running means are not."""
+  narrow = [jnp.result_type(a) for a in jax.tree.leaves(acc) if is_running_mean(a)]
+  if narrow:
+    raise ValueError(
+      f"{where}(mesh=...): a {narrow[0]} accumulator keeps running means (its accum_dtype, or"
+      " the params' dtype with accum_dtype=None), which the data-parallel reduction does not"
+      " combine: it sums the devices' shares. With mesh=, make the transformation with"
+      " ga.accumulate(..., accum_dtype=jnp.float32) (the default)."
+    )
 
 
 def check_num_microbatches(
@@ -119,10 +141,11 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
   """Raises ValueError unless ``grads`` has the structure and shapes of ``reference``."""
   gdef, rdef = jax.tree.structure(grads), jax.tree.structure(reference)
   if gdef != rdef:
+    order = " (a step takes params, opt_state, batch, in that order)" if what == "params" else ""
     raise ValueError(
       f"The {what} do not match the structure of the parameters that tx.init was called with."
-      f"\n  {what}: {gdef}\n  params: {rdef}\nPass gradients with exactly the structure of the"
-      " params (for equinox, filter both with the same eqx.filter)."
+      f"\n  {what} passed: {gdef}\n  tx.init(params): {rdef}\nPass {what} with exactly the"
+      f" structure of the params{order} (for equinox, filter both with the same eqx.filter)."
     )
   leaves = zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(reference), strict=True)
   for (path, g), r in leaves:
@@ -133,8 +156,23 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
       )
 
 
-def check_trainable(params: Any, what: str = "params") -> None:
-  """TypeError naming the first integer or bool leaf: gradients need float or complex leaves."""
+def check_trainable(params: Any, what: str = "params", where: str | None = None) -> None:
+  """TypeError naming the first integer or bool leaf: gradients need float or complex leaves;
+  with ``where`` (the function the user called), for an NNX module with other variables than
+  ``nnx.Param`` too (they would be differentiated and updated)."""
+  nnx = sys.modules.get("flax.nnx")  # imported by the user if params can be a module
+  if where is not None and nnx is not None and isinstance(params, nnx.Module):
+    others = nnx.state(params, nnx.Not(nnx.Param))
+    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(others, is_leaf=_is_variable)})
+    if kinds:
+      raise TypeError(
+        f"{where}: {what} is an nnx.{type(params).__name__} with variables other than nnx.Param"
+        f" ({', '.join(kinds)}), which {where} would differentiate and update as params. Use"
+        " ga.nnx_train_step(loss_fn) with nnx.Optimizer(model, tx, wrt=nnx.Param), or split"
+        " the module: graphdef, params, rest = nnx.split(model, nnx.Param, ...); pass params,"
+        " and rest as the model state (has_state=True) of loss_fn(params, rest, microbatch),"
+        " which calls nnx.merge(graphdef, params, rest) (docs/models.md)."
+      )
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     if not is_inexact(x):
       dtype = jnp.result_type(x)
@@ -145,6 +183,11 @@ def check_trainable(params: Any, what: str = "params") -> None:
         " out of the differentiated params: pass it in the batch, a closure, or the model"
         " state (has_state=True); for equinox, filter with eqx.is_inexact_array."
       )
+
+
+def _is_variable(x: Any) -> bool:
+  nnx = sys.modules["flax.nnx"]
+  return isinstance(x, nnx.Variable)
 
 
 def check_real_microbatches(num_real: Any, k: int) -> jax.Array | None:

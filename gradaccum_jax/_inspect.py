@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import optax
 
-from gradaccum_jax._accumulate import AccumulateState
+from gradaccum_jax._accumulate import Accumulate, AccumulateState, MicroStepState
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -328,11 +328,16 @@ def check_step(
   for name, fn in (("step", step), ("loss_fn", loss_fn)):
     if not callable(fn):
       raise TypeError(f"{name} must be a function, got {fn!r}.")
+  if isinstance(inner_tx, Accumulate):
+    raise TypeError(
+      "inner_tx is the ga.accumulate transformation; pass the optimizer inside it, which the"
+      " reference applies once to the whole batch: inner_tx=tx.inner (e.g. optax.sgd(0.1))."
+    )
   if not isinstance(inner_tx, optax.GradientTransformation):
     raise TypeError(f"inner_tx must be an optax transformation (e.g. optax.sgd), got {inner_tx!r}.")
   if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not rtol > 0:
     raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
-  if inner_state is None and isinstance(opt_state, AccumulateState):
+  if inner_state is None and isinstance(opt_state, AccumulateState | MicroStepState):
     inner_state = opt_state.inner_state
   # Host copies first: the step may donate its arguments.
   host = jax.tree.map(np.asarray, (params, batch, inner_state))

@@ -20,7 +20,12 @@ from gradaccum_jax._accumulate import (
   slot_totals,
   zeros_like_output,
 )
-from gradaccum_jax._checks import check_batch, is_inexact
+from gradaccum_jax._checks import (
+  check_accumulator_on_mesh,
+  check_batch,
+  check_trainable,
+  is_inexact,
+)
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
@@ -79,8 +84,11 @@ def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepSt
   return state._replace(accumulate=acc, loss_sum=sums.loss, aux_sum=sums.aux)
 
 
-def _add(a: Any, b: Any) -> Any:
-  return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+def _merged(own: tuple[Sums, Any], new: tuple[Sums, Any]) -> tuple[Sums, Any]:
+  """The sums and noise sums ``own`` after the micro-batch's ``new``: by the one accumulation
+  rule of every mode (``Sums.merged``); the noise sums add."""
+  noise = jax.tree.map(lambda x, y: x + y.astype(x.dtype), own[1], new[1])
+  return own[0].merged(new[0]), noise
 
 
 class MicroStep:
@@ -93,6 +101,8 @@ class MicroStep:
   def __init__(self, opts: Options, tx: Accumulate, *, donate: bool, jit: bool):
     self.tx, self._opts, self._acc = tx, opts, tx.settings
     dp = opts.parallel
+    if dp is not None:  # now for a narrow accum_dtype; at trace time for narrow params' (None)
+      check_accumulator_on_mesh(self._acc.accum_dtype, opts.where)
     self._layout = _Layout(dp)
     self.mesh = None if dp is None else dp.mesh
     self.data_axis = None if dp is None else dp.axes
@@ -195,10 +205,13 @@ class MicroStep:
     return self._step(params, model_state, state, microbatch, rng)
 
   def _step(self, params, model_state, state, microbatch, rng):
+    check_trainable(params, where="micro_step")
     state = self._in_layout(state, params, microbatch, model_state, rng)
     acc_state = state.accumulate
     rows = check_batch(microbatch, 1)
     lay = self._layout
+    if lay.dp is not None:
+      check_accumulator_on_mesh(acc_state.acc_grads, "micro_step")
     if rows % lay.devices:
       dp = lay.dp
       raise ValueError(
@@ -216,7 +229,7 @@ class MicroStep:
     new, new_model_state = local(params, microbatch, rng, own, model_state, scale)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    state = _with_partials(state, *_add(own, new))
+    state = _with_partials(state, *_merged(own, new))
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
@@ -334,13 +347,11 @@ class MicroStep:
     loss = safe_mean(totals.loss, totals.weight)
     aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    out, new_acc = self._acc.close(
+    out, new_acc, grad_norm = self._acc.close(
       totals.grads, totals.weight, acc_state, params, params, extra, self._in_place, branch=True
-    )[:2]
+    )
     # The partial sums as they were: the caller clears them after its lax.cond.
     new_state = _with_partials(state._replace(accumulate=new_acc), *own)
-    scale = 1.0 if acc_state.loss_scale is None else acc_state.loss_scale.scale
-    grad_norm = safe_mean(optax.tree.norm(totals.grads), totals.weight * scale)
     metrics = dict(loss=loss, grad_norm=grad_norm, weight=totals.weight)
     if self._opts.loss.has_aux:
       metrics["aux"] = aux

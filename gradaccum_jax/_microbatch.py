@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from gradaccum_jax._accumulate import zeros_accumulator
 from gradaccum_jax._checks import (
+  check_accumulator_on_mesh,
   check_batch,
   check_num_microbatches,
   check_real_microbatches,
@@ -25,7 +26,6 @@ from gradaccum_jax._parts import (
   Off,
   Sums,
   SumsUnit,
-  is_running_mean,
   mean_of,
   safe_mean,
 )
@@ -122,17 +122,11 @@ class MicrobatchedGrad:
     """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros for a running
     mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with ``in_buffer``
     (a donated step's accumulator) and where a device holds its share, else adds it after."""
-    check_trainable(params)
+    check_trainable(params, where=self.options.where)
     dp = self.options.parallel
     if dp is None:
       return self.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
-    narrow = [jnp.result_type(a) for a in jax.tree.leaves(acc_init) if is_running_mean(a)]
-    if narrow:
-      raise ValueError(
-        f"A {narrow[0]} accumulator keeps running means, which the data-parallel reduction"
-        " does not combine: with mesh=, make the transformation with accum_dtype=jnp.float32"
-        " (the default)."
-      )
+    check_accumulator_on_mesh(acc_init, self.options.where)
     return over_mesh(
       dp, self.local_sums, self.options.weighting, self.num_microbatches,
       params, batch, rng, acc_init, model_state, scale, num_real, in_buffer,
@@ -255,6 +249,8 @@ def value_and_grad(
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
   )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
+  if opts.parallel is not None:  # now for a narrow accum_dtype; at trace time for narrow params
+    check_accumulator_on_mesh(accum_dtype, "value_and_grad")
 
   def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
     num_real = check_real_microbatches(num_real_microbatches, k)

@@ -62,7 +62,9 @@ def with_sums(ns: NoiseScaleState | None, sums: NoiseSums | tuple[()]) -> Any:
 
 def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> Any:
   """``sums`` (:class:`NoiseSums` or :class:`NoiseScaleState`) after a micro-batch of squared
-  gradient norm ``sq`` and weight ``w`` (its examples), or unweighted (``None``: ``examples``)."""
+  gradient norm ``sq`` and weight ``w`` (its examples), or unweighted (``None``: ``examples``).
+  The sums are float32, whatever ``sq``'s precision."""
+  sq = jnp.asarray(sq).astype(jnp.float32)
   if w is None:
     return add_window(sums, NoiseSums(sq, 1.0, examples))
   pos = w > 0
@@ -97,7 +99,9 @@ def estimates(
   :math:`A = \sum_i w_i |g_i|^2 / W`; NaN when ``n < 2`` or the window is empty."""
   valid = (ns.num > 1.5) & (acc_weight > 0)
   scale2 = 1.0 if scale is None else scale**2
-  gbar2 = sq_norm(mean_of(acc_grads, acc_weight)) / scale2  # the sums are of scaled gradients
+  gbar2 = (
+    sq_norm(mean_of(acc_grads, acc_weight)).astype(jnp.float32) / scale2
+  )  # the sums are of scaled gradients
   mean_sq = safe_mean(ns.sq_sum, acc_weight) / scale2
   n1 = jnp.where(valid, ns.num - 1.0, 1.0)
   g2 = (ns.num * gbar2 - mean_sq) / n1

@@ -107,6 +107,7 @@ class Options:
   batchnorm_momentum: float | None = None
   compute_dtype: Any = None
   parallel: DataParallel | None = None
+  where: str = "train_step"  # the public function the user called, for errors
 
   @property
   def has_state(self) -> bool:
@@ -155,4 +156,5 @@ def make_options(
     parallel=make_data_parallel(
       mesh, data_axis, param_specs, where, gather_params, memory_budget_bytes
     ),
+    where=where,
   )

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._checks import check_weight, is_inexact
+from gradaccum_jax._checks import check_weight, is_inexact, is_running_mean
 
 
 class Micro(NamedTuple):
@@ -33,18 +33,18 @@ class Sums(NamedTuple):
   loss: jax.Array  # sum_i w_i L_i, in the loss's precision (at least float32)
   aux: Any  # inexact leaves: sum_i w_i aux_i; integer and bool leaves: sum_i aux_i
 
+  def merged(self, more: Sums) -> Sums:
+    """These sums and ``more`` (of later micro-batches) as one window's, by the one rule."""
+    grads = merge_gradients(self.grads, self.weight, more.grads, more.weight)
+    # Promoted: a float64 loss widens a float32 sum that a state was made with.
+    loss, aux = jax.tree.map(jnp.add, (self.loss, self.aux), (more.loss, more.aux))
+    return Sums(grads, self.weight + more.weight, loss, aux)
+
 
 def sum_dtype(like: Any) -> Any:
   """The dtype a sum of ``like`` values is kept in: float32 or wider, int32 or wider."""
   floor = jnp.float32 if is_inexact(like) else jnp.int32
   return jnp.promote_types(jnp.result_type(like), floor)
-
-
-def is_running_mean(acc: Any) -> bool:
-  """Whether an accumulator leaf keeps the running weighted mean (updated in float32, as in
-  ``optax.MultiSteps``) instead of the sum: a float narrower than float32 (its sum overflows)."""
-  dtype = jnp.result_type(acc)
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
 def keeps_running_means(acc: Any) -> bool:
@@ -63,21 +63,30 @@ def _toward(mean: jax.Array, x: Any, frac: jax.Array) -> jax.Array:
   return (m + frac * (jnp.asarray(x).astype(jnp.float32) - m)).astype(mean.dtype)
 
 
-def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
-  """``acc`` after one more micro-batch ``grads`` of weight ``w``, with ``weight`` the total
-  weight before it: sums for float32-or-wider leaves, running means for narrower ones."""
-  frac = jnp.where(w > 0, safe_mean(w, weight + wt.total(w)), 0.0)
-  return jax.tree.map(
-    lambda a, g: _toward(a, g, frac) if is_running_mean(a) else wt.add(a, g, w), acc, grads
-  )
-
-
 def merge_gradients(acc: Any, weight: jax.Array, more: Any, more_weight: jax.Array) -> Any:
-  """Two accumulators of total weights ``weight`` and ``more_weight`` as one."""
+  """The accumulation rule, shared by every mode: two accumulators of total weights ``weight``
+  and ``more_weight`` as one. A leaf of float32 or wider adds the sums; a narrower one keeps
+  the running weighted mean (:func:`is_running_mean`), moved toward ``more``'s mean by
+  ``more_weight / (weight + more_weight)`` in float32 (left as it is for a zero ``more_weight``,
+  even if ``more`` is NaN)."""
   frac = safe_mean(more_weight, weight + more_weight)
-  return jax.tree.map(
-    lambda a, b: _toward(a, b, frac) if is_running_mean(a) else a + b.astype(a.dtype), acc, more
+
+  def one(a, b):
+    if not is_running_mean(a):
+      return a + b.astype(a.dtype)
+    return jnp.where(frac > 0, _toward(a, b, frac), a)
+
+  return jax.tree.map(one, acc, more)
+
+
+def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
+  """``acc`` (of total weight ``weight``) after one more micro-batch ``grads`` of weight ``w``:
+  :func:`merge_gradients` with the micro-batch as a window of its own, whose sum is ``w g``
+  (0 for ``w <= 0``) and whose mean is ``g``."""
+  one = jax.tree.map(
+    lambda a, g: g if is_running_mean(a) else wt.add(jnp.zeros_like(a), g, w), acc, grads
   )
+  return merge_gradients(acc, weight, one, wt.total(w))
 
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
@@ -99,17 +108,20 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
 
 
 def sq_norm(tree: Any, by_rows: bool = False) -> jax.Array:
-  """The squared global norm of ``tree``, in float32 (``|z|^2`` for complex leaves).
+  """The squared global norm of ``tree``, in float32, or float64 if a leaf is (``|z|^2`` for
+  complex leaves).
 
   ``by_rows``: each matrix summed by rows first (faster on XLA:CPU; not for arrays on a mesh:
   docs/architecture.md, "Closing a window")."""
-  total = jnp.float32(0)
-  for x in jax.tree.leaves(tree):
-    x = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+  leaves = [
+    x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32)) for x in jax.tree.leaves(tree)
+  ]
+  total = jnp.zeros((), jnp.result_type(jnp.float32, *(jnp.real(x).dtype for x in leaves)))
+  for x in leaves:
     sq = jnp.real(x * jnp.conj(x))
     if by_rows and sq.ndim > 1:
       sq = jnp.sum(sq, axis=-1)
-    total = total + jnp.sum(sq).astype(jnp.float32)
+    total = total + jnp.sum(sq).astype(total.dtype)
   return total
 
 

@@ -16,7 +16,11 @@ from gradaccum_jax._accumulate import (
   as_accumulate,
   loop_once_if,
 )
-from gradaccum_jax._checks import check_real_microbatches, check_same_structure
+from gradaccum_jax._checks import (
+  check_accumulator_on_mesh,
+  check_real_microbatches,
+  check_same_structure,
+)
 from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import NoiseSums, add_window, estimates, noise_scale
@@ -136,9 +140,11 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
   """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
   metrics)``: one window, scanned and closed; ``in_place``: params and state are donated."""
   acc = tx.settings
-  k = tx.fixed_num_microbatches("train_step")
+  k = tx.fixed_num_microbatches(opts.where)
   mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
   dp = opts.parallel
+  if dp is not None:  # now for a narrow accum_dtype; at trace time for narrow params' (None)
+    check_accumulator_on_mesh(acc.accum_dtype, opts.where)
 
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)

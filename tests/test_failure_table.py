@@ -89,7 +89,33 @@ def micro_step_nan():
   return "restored"
 
 
+def narrow_on_a_mesh():
+  tx = ga.accumulate(optax.sgd(0.1), 2, accum_dtype=jnp.bfloat16)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  return ga.micro_step(xent_loss, tx, mesh=mesh)
+
+
+def swapped():
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  return ga.train_step(xent_loss, tx)(BATCH, tx.init(PARAMS), PARAMS)
+
+
+def nnx_module():
+  from flax import nnx
+
+  model = nnx.Sequential(nnx.Linear(6, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  loss = lambda m, mb: xent_loss({"layer0": {"w": jnp.eye(6, 3), "b": m(mb["x"])[0]}}, mb)  # noqa: E731
+  return ga.micro_step(loss, tx)(model, tx.init(model), ga.microbatch(BATCH, 0, K))
+
+
 TRIGGERS = {
+  "a bfloat16 or float16 accumulator (`accum_dtype`, or the params' dtype with `accum_dtype=None`) with `mesh=`, in any mode that takes it": narrow_on_a_mesh,
+  "params and batch swapped in a step's call": swapped,
+  "the `ga.accumulate` transformation as `check_step`'s `inner_tx`": lambda: ga.check_step(
+    lambda p, s, b: (p,), xent_loss, ga.accumulate(optax.sgd(0.1), K), PARAMS, None, BATCH
+  ),
+  "an NNX module with variables other than `nnx.Param` (BatchNorm statistics, `nnx.Rngs`) as a step's params": nnx_module,
   "a step called with `rng=` whose `loss_fn` takes no key": lambda: ga.train_step(
     xent_loss, ga.accumulate(optax.sgd(0.1), K)
   )(PARAMS, ga.accumulate(optax.sgd(0.1), K).init(PARAMS), BATCH, jax.random.key(0)),
@@ -160,6 +186,8 @@ def test_row(row):
   if not expected.startswith("`"):
     assert TRIGGERS[row]() == "counted as 0"
     return
-  error, message = re.fullmatch(r"`(\w+): (.*)`", expected).groups()
+  error, message = re.fullmatch(r"`(\w+): (.*)`( \(the function you called\))?", expected).groups()[
+    :2
+  ]
   with pytest.raises(getattr(builtins, error), match=re.escape(message)):
     TRIGGERS[row]()

@@ -1,0 +1,529 @@
+"""The mode matrix: every entry point x accumulator dtype x mesh x weighting x model state gives
+the big-batch update, computed independently (a plain ``jax.value_and_grad`` on the whole batch
+and the inner optimizer), over two windows and a voided one; the combinations that are refused
+are refused before any work, with an error that says what to change.
+
+Entry points: ``ga.train_step`` (undonated and donated), ``ga.micro_step``, ``tx.update`` (its
+second window closed early by ``ga.flush``), ``ga.value_and_grad``, ``ga.linen_train_step``,
+``ga.nnx_train_step``. The inner optimizer is heavy-ball SGD, linear in the window's gradient,
+so a wrong scale or weight shows in the params one to one (Adam would hide it)."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from helpers import init_mlp, mlp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+
+D, K, T = 8, 4, 6  # devices (tests/conftest.py), micro-batches per window, tokens per row
+SIZES = (8, 16, 8)  # every dimension divides by D, for the FSDP layout
+ROWS = D * K * 2  # a batch: K micro-batches of 2 rows per device
+FSDP = {
+  "layer0": {"w": P(None, "data"), "b": P("data")},
+  "layer1": {"w": P("data"), "b": P("data")},
+}
+# The real tokens of a row, by its micro-batch (rows i, i + K, ...): uneven, one empty micro-batch.
+BASE_TOKENS = np.array([2, 1, 0, 5])
+INNER = optax.sgd(0.5, momentum=0.5)
+
+ENTRIES = ("train_step", "train_step_donated", "micro_step", "tx_update", "value_and_grad")
+ENTRIES += ("linen", "nnx")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+NARROW = ("bfloat16", "float16")
+# The accumulator's precision: the tolerance on the params' moves, relative to the largest move
+# of the leaf (a running mean in a narrow float rounds once per micro-batch).
+TOL = {"float32": 2e-5, "bfloat16": 2 * K * 2.0**-8, "float16": 2 * K * 2.0**-10, "float64": 1e-10}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  entry: str
+  dtype: str
+  mesh: str | None  # None, "replicated" or "fsdp"
+  weighted: bool
+  state: bool
+
+  @property
+  def x64(self):
+    return self.dtype == "float64"
+
+  @property
+  def param_dtype(self):
+    return jnp.float64 if self.x64 else jnp.float32
+
+  @property
+  def flushed(self):  # tx.update: the second window closes after K - 1 micro-batches
+    return self.entry == "tx_update"
+
+  def __str__(self):
+    return "-".join(
+      [self.entry, self.dtype, self.mesh or "nomesh", "weighted" if self.weighted else "even"]
+      + ["state"] * self.state
+    )
+
+
+# --- the model, its data and the big-batch reference ------------------------------------------
+
+
+def token_loss(params, mb):
+  """The mean cross-entropy over the real tokens (NaN for a micro-batch without any)."""
+  logp = jax.nn.log_softmax(mlp(params, mb["x"]))
+  nll = -jnp.take_along_axis(logp, mb["y"][..., None], axis=-1)[..., 0]
+  return jnp.sum(mb["mask"] * nll) / jnp.sum(mb["mask"])
+
+
+def next_state(model_state, mb):
+  """A model state threaded through the micro-batches: a counter and a float statistic."""
+  return {"n": model_state["n"] + 1, "s": model_state["s"] + jnp.mean(mb["x"])}
+
+
+def stateful_loss(params, model_state, mb):
+  return token_loss(params, mb), next_state(model_state, mb)
+
+
+def tokens(mb):
+  return jnp.sum(mb["mask"])
+
+
+def batches(cell):
+  """Three batches: two windows and one with a NaN input in a real token (voided)."""
+  rng = np.random.default_rng(0)
+  rows = np.arange(ROWS)
+  base = BASE_TOKENS[rows % K]
+  real = base + ((rows // K) % 2) * (base > 0) if cell.weighted else np.full(ROWS, T)
+  dtype = np.float64 if cell.x64 else np.float32
+  out = []
+  for j in range(3):
+    x = rng.standard_normal((ROWS, T, SIZES[0])).astype(dtype)
+    if j == 2:
+      x[0, 0, 0] = np.nan  # row 0: micro-batch 0, a real token
+    mask = (np.arange(T)[None, :] < real[:, None]).astype(dtype)
+    out.append({"x": x, "y": rng.integers(0, SIZES[-1], (ROWS, T)).astype(np.int32), "mask": mask})
+  return out
+
+
+def initial(cell):
+  params = init_mlp(jax.random.key(0), SIZES, cell.param_dtype)
+  model_state = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((), cell.param_dtype)}
+  return params, model_state
+
+
+def window_microbatches(cell, window, batch):
+  """The micro-batches a window is made of (the flushed window: the first K - 1)."""
+  m = K - 1 if cell.flushed and window == 1 else K
+  return [ga.microbatch(batch, i, K) for i in range(m)]
+
+
+@dataclasses.dataclass
+class Result:
+  """What a window leaves: params, model state, loss, counters and the momentum buffer."""
+
+  params: dict
+  model_state: dict | None
+  loss: float
+  count: int
+  num_skipped: int
+  trace: dict
+
+
+def as_numpy(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+@functools.cache
+def reference(dtype, weighted, flushed):
+  """The big-batch run: each window's rows as one batch, one plain SGD step each; a window with
+  a non-finite gradient moves nothing but the counters (``count``, the model state's ``n``)."""
+  cell = Cell("tx_update" if flushed else "reference", dtype, None, weighted, False)
+  with jax.enable_x64(cell.x64):
+    params, model_state = initial(cell)
+    inner_state = INNER.init(params)
+    grad_fn = jax.jit(jax.value_and_grad(token_loss))
+    out, skipped = [], 0
+    for w, batch in enumerate(batches(cell)):
+      mbs = window_microbatches(cell, w, batch)
+      big = jax.tree.map(lambda *xs: np.concatenate(xs), *mbs)
+      loss, grads = grad_fn(params, big)
+      if all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)):
+        updates, inner_state = INNER.update(grads, inner_state, params)
+        params = optax.apply_updates(params, updates)
+        for mb in mbs:
+          model_state = next_state(model_state, mb)
+      else:
+        skipped += 1
+        model_state = {**model_state, "n": model_state["n"] + len(mbs)}
+      out.append(
+        Result(as_numpy(params), as_numpy(model_state), float(loss), w + 1, skipped,
+               as_numpy(inner_state[0].trace))
+      )  # fmt: skip
+  return out
+
+
+# --- the entry points: each runs the three windows and reports a Result per window ----------
+
+
+def mesh_and_specs(cell):
+  if cell.mesh is None:
+    return None, None
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
+  return mesh, (FSDP if cell.mesh == "fsdp" else None)
+
+
+def put(tree, mesh, spec):
+  if mesh is None:
+    return jax.tree.map(jnp.asarray, tree)
+  specs = jax.tree.broadcast(spec, tree, is_leaf=lambda s: isinstance(s, P))
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def mesh_kwargs(cell):
+  mesh, specs = mesh_and_specs(cell)
+  return {} if mesh is None else {"mesh": mesh, "data_axis": "data", "param_specs": specs}
+
+
+def from_state(params, model_state, loss, state, rename=lambda tree: tree):
+  """A Result from any mode's ``AccumulateState`` (a micro_step state answers every field);
+  ``rename`` lays the momentum buffer out as the params."""
+  return Result(
+    as_numpy(params), None if model_state is None else as_numpy(model_state), float(loss),
+    int(state.count), int(state.num_skipped), as_numpy(rename(state.inner_state[0].trace)),
+  )  # fmt: skip
+
+
+def make_tx(cell):
+  return ga.accumulate(INNER, K, accum_dtype=jnp.dtype(cell.dtype))
+
+
+def run_train_step(cell, params, model_state, data):
+  tx = make_tx(cell)
+  loss_fn = stateful_loss if cell.state else token_loss
+  step = ga.train_step(
+    loss_fn, tx, weight_fn=tokens if cell.weighted else None, has_state=cell.state,
+    donate=cell.entry == "train_step_donated", **mesh_kwargs(cell),
+  )  # fmt: skip
+  mesh, specs = mesh_and_specs(cell)
+  params = put(params, mesh, specs or P())
+  model_state = put(model_state, mesh, P()) if cell.state else None
+  state, out = tx.init(params), []
+  for batch in data:
+    batch = put(batch, mesh, P("data"))
+    if cell.state:
+      params, model_state, state, metrics = step(params, model_state, state, batch)
+    else:
+      params, state, metrics = step(params, state, batch)
+    out.append(from_state(params, model_state, metrics["loss"], state))  # copied: donated next
+  return out
+
+
+def run_micro_step(cell, params, model_state, data):
+  tx = make_tx(cell)
+  loss_fn = stateful_loss if cell.state else token_loss
+  step = ga.micro_step(
+    loss_fn, tx, weight_fn=tokens if cell.weighted else None, has_state=cell.state,
+    **mesh_kwargs(cell),
+  )  # fmt: skip
+  mesh, specs = mesh_and_specs(cell)
+  params = put(params, mesh, specs or P())
+  model_state = put(model_state, mesh, P()) if cell.state else None
+  state, out = tx.init(params), []
+  for w, batch in enumerate(data):
+    for i, mb in enumerate(window_microbatches(cell, w, batch)):
+      mb = put(mb, mesh, P("data"))
+      if cell.state:
+        params, model_state, state, metrics = step(params, model_state, state, mb)
+      else:
+        params, state, metrics = step(params, state, mb)
+      assert bool(metrics["updated"]) == (i == K - 1 and w < 2), (w, i)
+      assert int(state.micro_step) == (i + 1) % K
+    out.append(from_state(params, model_state, metrics["loss"], state))
+  return out
+
+
+def run_tx_update(cell, params, model_state, data):
+  """The user's own jitted step around ``tx.update``; the second window is flushed early."""
+  del model_state  # the user's own business in streaming mode
+  tx = make_tx(cell)
+  mesh, _ = mesh_and_specs(cell)
+
+  @jax.jit
+  def user_step(params, state, mb):
+    loss, grads = jax.value_and_grad(token_loss)(params, mb)
+    weight = tokens(mb) if cell.weighted else None
+    updates, state = tx.update(grads, state, params, weight=weight)
+    return optax.apply_updates(params, updates), state, loss
+
+  @jax.jit
+  def flush(params, state):
+    updates, state = ga.flush(tx, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = put(params, mesh, P())
+  state, out = tx.init(params), []
+  for w, batch in enumerate(data):
+    mbs = window_microbatches(cell, w, batch)
+    losses, weights = [], []
+    for mb in mbs:
+      params, state, loss = user_step(params, state, put(mb, mesh, P("data")))
+      losses.append(float(loss))
+      weights.append(float(tokens(mb)) if cell.weighted else 1.0)
+    if len(mbs) < K:
+      assert not bool(ga.has_updated(state))
+      params, state = flush(params, state)
+    loss = sum(x * y for x, y in zip(losses, weights, strict=True) if y > 0) / sum(weights)
+    out.append(from_state(params, None, loss, state))
+  return out
+
+
+def run_value_and_grad(cell, params, model_state, data):
+  """``ga.value_and_grad`` and the inner optimizer, a non-finite window skipped by the user."""
+  mesh, specs = mesh_and_specs(cell)
+  vg = ga.value_and_grad(
+    stateful_loss if cell.state else token_loss, K, weight_fn=tokens if cell.weighted else None,
+    accum_dtype=jnp.dtype(cell.dtype), has_state=cell.state, **mesh_kwargs(cell),
+  )  # fmt: skip
+
+  @jax.jit
+  def user_step(params, inner_state, model_state, batch):
+    args = (params, model_state, batch) if cell.state else (params, batch)
+    out, grads = vg(*args)
+    loss, new_model_state = out if cell.state else (out, None)
+    ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    updates, new_inner = INNER.update(grads, inner_state, params)
+    new_params = jax.tree.map(lambda p, u: jnp.where(ok, p + u, p), params, updates)
+    new_inner = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_inner, inner_state)
+    if cell.state:  # the float statistics restored, as the ga steps restore them
+      new_model_state = {
+        **new_model_state,
+        "s": jnp.where(ok, new_model_state["s"], model_state["s"]),
+      }
+    return new_params, new_inner, new_model_state, loss, ok
+
+  params = put(params, mesh, specs or P())
+  model_state = put(model_state, mesh, P()) if cell.state else None
+  inner_state, out, count, skipped = INNER.init(params), [], 0, 0
+  for batch in data:
+    params, inner_state, model_state, loss, ok = user_step(
+      params, inner_state, model_state, put(batch, mesh, P("data"))
+    )
+    count, skipped = count + 1, skipped + (not bool(ok))
+    out.append(
+      Result(as_numpy(params), None if model_state is None else as_numpy(model_state),
+             float(loss), count, skipped, as_numpy(inner_state[0].trace))
+    )  # fmt: skip
+  return out
+
+
+class LinenMLP(nn.Module):
+  """The MLP of ``helpers.mlp``, its params named as ``init_mlp``'s; with state, the counter
+  and statistic of :func:`next_state` in ``batch_stats``."""
+
+  with_state: bool
+
+  @nn.compact
+  def __call__(self, x):
+    if self.with_state:
+      n = self.variable("batch_stats", "n", lambda: jnp.zeros((), jnp.int32))
+      s = self.variable("batch_stats", "s", lambda: jnp.zeros((), x.dtype))
+      if not self.is_initializing():
+        n.value, s.value = n.value + 1, s.value + jnp.mean(x)
+    zeros = lambda shape: lambda key: jnp.zeros(shape, x.dtype)  # noqa: E731
+    params = {
+      f"layer{i}": {"w": self.param(f"w{i}", zeros((m, n))), "b": self.param(f"b{i}", zeros((n,)))}
+      for i, (m, n) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))
+    }
+    return mlp(params, x)
+
+
+def linen_params(params):
+  return {f"{k}{i}": params[f"layer{i}"][k] for i in range(len(SIZES) - 1) for k in ("w", "b")}
+
+
+def mlp_params(linen):
+  return {f"layer{i}": {k: linen[f"{k}{i}"] for k in ("w", "b")} for i in range(len(SIZES) - 1)}
+
+
+class LinenState(train_state.TrainState):
+  batch_stats: dict
+
+
+def token_loss_of_logits(logits, mb):
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, mb["y"][..., None], axis=-1)[..., 0]
+  return jnp.sum(mb["mask"] * nll) / jnp.sum(mb["mask"])
+
+
+def run_linen(cell, params, model_state, data):
+  mesh, specs = mesh_and_specs(cell)
+  module = LinenMLP(cell.state)
+  tx = make_tx(cell)
+  p = put(linen_params(params), mesh, P() if specs is None else linen_params(specs))
+  if cell.state:
+    state = LinenState.create(
+      apply_fn=module.apply, params=p, tx=tx, batch_stats=put(model_state, mesh, P())
+    )
+  else:
+    state = train_state.TrainState.create(apply_fn=module.apply, params=p, tx=tx)
+  step = ga.linen_train_step(
+    module, token_loss_of_logits, weight_fn=tokens if cell.weighted else None,
+    **{**mesh_kwargs(cell), **({"param_specs": linen_params(specs)} if specs else {})},
+  )  # fmt: skip
+  out = []
+  for batch in data:
+    state, metrics = step(state, put(batch, mesh, P("data")))
+    stats = state.batch_stats if cell.state else None
+    params, opt_state = mlp_params(state.params), state.opt_state
+    out.append(from_state(params, stats, metrics["loss"], opt_state, rename=mlp_params))
+  return out
+
+
+class NnxLayer(nnx.Module):
+  def __init__(self, w, b):
+    self.w, self.b = nnx.Param(w), nnx.Param(b)
+
+
+class NnxMLP(nnx.Module):
+  """The MLP of ``helpers.mlp``; with state, :func:`next_state`'s as ``nnx.BatchStat``."""
+
+  def __init__(self, params, model_state):
+    self.layer0 = NnxLayer(params["layer0"]["w"], params["layer0"]["b"])
+    self.layer1 = NnxLayer(params["layer1"]["w"], params["layer1"]["b"])
+    self.with_state = model_state is not None
+    if self.with_state:
+      self.n, self.s = nnx.BatchStat(model_state["n"]), nnx.BatchStat(model_state["s"])
+
+  def __call__(self, x):
+    if self.with_state:
+      self.n[...], self.s[...] = self.n[...] + 1, self.s[...] + jnp.mean(x)
+    params = {
+      name: {"w": layer.w[...], "b": layer.b[...]}
+      for name, layer in (("layer0", self.layer0), ("layer1", self.layer1))
+    }
+    return mlp(params, x)
+
+
+def is_variable(x):
+  return isinstance(x, nnx.Variable)
+
+
+def run_nnx(cell, params, model_state, data):
+  mesh, specs = mesh_and_specs(cell)
+  model = NnxMLP(
+    put(params, mesh, specs or P()), put(model_state, mesh, P()) if cell.state else None
+  )
+  optimizer = nnx.Optimizer(model, make_tx(cell), wrt=nnx.Param)
+  step = ga.nnx_train_step(
+    lambda model, mb: token_loss_of_logits(model(mb["x"]), mb),
+    weight_fn=tokens if cell.weighted else None, **mesh_kwargs(cell),
+  )  # fmt: skip
+  out = []
+  for batch in data:
+    metrics = step(model, optimizer, put(batch, mesh, P("data")))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    stats = {"n": model.n[...], "s": model.s[...]} if cell.state else None
+    opt_state = jax.tree.map(lambda v: v[...], optimizer.opt_state, is_leaf=is_variable)
+    out.append(from_state(params, stats, metrics["loss"], opt_state))
+  return out
+
+
+RUNNERS = {
+  "train_step": run_train_step,
+  "train_step_donated": run_train_step,
+  "micro_step": run_micro_step,
+  "tx_update": run_tx_update,
+  "value_and_grad": run_value_and_grad,
+  "linen": run_linen,
+  "nnx": run_nnx,
+}
+
+
+# --- the cells ----------------------------------------------------------------------------
+
+
+def cells():
+  """Every combination that runs; refused ones are in :func:`refused_cells`."""
+  out = []
+  for entry in ENTRIES:
+    for dtype in DTYPES:
+      for mesh in (None, "replicated", "fsdp"):
+        if mesh and dtype in NARROW and entry != "tx_update":
+          continue  # refused
+        if entry == "tx_update" and mesh == "fsdp":
+          continue  # tx.update takes no mesh=: GSPMD runs the user's step (replicated)
+        for weighted in (False, True):
+          for state in (False, True):
+            if state and entry == "tx_update":
+              continue  # streaming mode leaves the model state to the user's step
+            cost = mesh is not None or (entry in ("linen", "nnx") and weighted)
+            marks = [pytest.mark.slow] if cost else []
+            cell = Cell(entry, dtype, mesh, weighted, state)
+            out.append(pytest.param(cell, id=str(cell), marks=marks))
+  return out
+
+
+def assert_moves_close(actual, expected, start, tol, what):
+  """Each leaf's move from ``start`` equals the reference's within ``tol`` of its largest."""
+  for (path, a), e, s in zip(
+    jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), jax.tree.leaves(start),
+    strict=True,
+  ):  # fmt: skip
+    a, e, s = (np.asarray(t, np.float64) for t in (a, e, s))
+    scale = max(np.max(np.abs(e - s)), 1e-30)
+    err = np.max(np.abs((a - s) - (e - s)))
+    assert err <= tol * scale, (
+      f"{what}{jax.tree_util.keystr(path)}: {err:.3g} > {tol} * {scale:.3g}"
+    )
+
+
+@pytest.mark.parametrize("cell", cells())
+def test_every_entry_point_equals_the_big_batch_update(cell):
+  expected = reference(cell.dtype, cell.weighted, cell.flushed)
+  with jax.enable_x64(cell.x64):
+    params, model_state = initial(cell)
+    start = as_numpy(params)
+    actual = RUNNERS[cell.entry](cell, params, model_state, batches(cell))
+  tol = TOL[cell.dtype]
+  zero_trace = jax.tree.map(np.zeros_like, start)
+  for w, (a, e) in enumerate(zip(actual, expected, strict=True)):
+    assert_moves_close(a.params, e.params, start, tol, f"window {w}: params")
+    assert_moves_close(a.trace, e.trace, zero_trace, tol, f"window {w}: momentum")
+    assert (a.count, a.num_skipped) == (e.count, e.num_skipped), (w, a.count, a.num_skipped)
+    if w < 2:  # the voided window's loss is NaN in both; window 1's at params within tol
+      np.testing.assert_allclose(a.loss, e.loss, rtol=max(tol, 1e-5) if not cell.x64 else 1e-10)
+    else:
+      assert not np.isfinite(a.loss)
+    if cell.state:
+      assert int(a.model_state["n"]) == int(e.model_state["n"])
+      np.testing.assert_allclose(a.model_state["s"], e.model_state["s"], rtol=1e-5)
+
+
+def refused_cells():
+  return [
+    pytest.param(entry, dtype, mesh, id=f"{entry}-{dtype}-{mesh}")
+    for entry in ENTRIES
+    if entry != "tx_update"
+    for dtype in NARROW
+    for mesh in ("replicated", "fsdp")
+  ]
+
+
+@pytest.mark.parametrize("entry,dtype,mesh", refused_cells())
+def test_a_narrow_accumulator_on_a_mesh_is_refused_by_every_entry_point_before_any_work(
+  entry, dtype, mesh
+):
+  cell = Cell(entry, dtype, mesh, False, False)
+  params, model_state = initial(cell)
+  data = batches(cell)
+  before = as_numpy(params)
+  with pytest.raises(ValueError, match=rf"mesh=.*{dtype}.*accum_dtype=jnp\.float32"):
+    RUNNERS[entry](cell, params, model_state, data)
+  assert_moves_close(as_numpy(params), before, before, 0.0, "params")
