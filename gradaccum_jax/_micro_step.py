@@ -38,6 +38,7 @@ from gradaccum_jax._sharding import (
   place_params,
   reduce_over_data,
   reduce_state,
+  shard_map_over_data,
 )
 
 _REPLICATED = P()
@@ -303,12 +304,11 @@ class MicroStep:
           jax.tree.map(lambda x: place(x, mesh, off_data(x, axes)), a) for a in (model_state, scale)
         ),
       )
-    add = jax.shard_map(
+    add = shard_map_over_data(
       per_device,
-      mesh=mesh,
+      dp,
       in_specs=(P(), dp.batch_spec, P(), own_specs, P(), P()),
       out_specs=(own_specs, P()),
-      axis_names=set(axes),
     )
     return add(*args)
 
@@ -329,12 +329,11 @@ class MicroStep:
       )
       return rest._replace(grads=treedef.unflatten(grads)), noise
 
-    reduce = jax.shard_map(
+    reduce = shard_map_over_data(
       per_device,
-      mesh=dp.mesh,
+      dp,
       in_specs=lay.slots(own),
       out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), own[0].aux)), P()),
-      axis_names=set(dp.axes),
     )
     return reduce(*own)
 

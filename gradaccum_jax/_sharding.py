@@ -137,6 +137,40 @@ def off_data(x: Any, axes: tuple[str, ...]) -> P:
   return P(*[None if not n else n[0] if len(n) == 1 else n for n in kept])
 
 
+# Before jax 0.11 a shard_map manual over some axes of a mesh with other Explicit axes replicates
+# its operands and results over those: an all-gather of every model-sharded param into it and
+# of every gradient out of it (tests/test_flax_mesh.py counts them). Run there with those axes
+# Auto, the results typed as they would be; from 0.11 on the shard_map keeps their sharding.
+_REPLICATES_EXPLICIT_AXES = tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11)
+
+
+def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any, out_specs: Any):
+  """``jax.shard_map(fn)`` manual over ``dp``'s data axes, the others left to GSPMD; every mesh
+  code path of the package goes through it. Before jax 0.11, with other Explicit axes, ``fn``
+  sees them as Auto (``jax.sharding.auto_axes``): docs/data_parallel.md."""
+
+  def over(mesh):
+    return jax.shard_map(
+      fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(dp.axes)
+    )
+
+  mesh = dp.mesh
+  model = tuple(
+    a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if a not in dp.axes and t == AxisType.Explicit
+  )  # fmt: skip
+  if not (model and _REPLICATES_EXPLICIT_AXES):
+    return over(mesh)
+
+  def call(*args):
+    specs = jax.tree.map(lambda s: s.sharding.spec, jax.eval_shape(over(mesh), *args))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      inner = lambda *a: over(jax.sharding.get_abstract_mesh())(*a)  # noqa: E731
+      return jax.sharding.auto_axes(inner, axes=model, out_sharding=specs)(*args)
+
+  return call
+
+
 def _explicit(mesh: Any) -> bool:
   """Whether ``mesh`` (or None) has Explicit axes."""
   return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
@@ -384,16 +418,15 @@ def over_mesh(
   )
   args = (params, batch, rng, model_state, scale, num_real)
   args, seeds = _laid_out(dp, plans, args, seeds, seed_plans)
-  reduce = jax.shard_map(
+  reduce = shard_map_over_data(
     per_device,
-    mesh=dp.mesh,
+    dp,
     in_specs=(
       treedef.unflatten([P() if p.outside else p.manual for p in plans]), dp.batch_spec,
       P(), P(), P(), P(),
       tuple(p.manual for p in seed_plans),
     ),
     out_specs=(Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P()),
-    axis_names=set(dp.axes),
   )  # fmt: skip
   sums, noise, new_state = reduce(*args, seeds)
   grads = treedef.unflatten([

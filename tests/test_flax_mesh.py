@@ -434,6 +434,50 @@ def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(layout,
   assert_tp_step(params, momentum, metrics, m, specs)
 
 
+def tp_loss(p, mb):
+  """The Linen/NNX TP models' loss in plain jax (explicit_dot_general names the products)."""
+
+  def dot(x, kernel):
+    return explicit_dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+  h = jnp.tanh(dot(mb["x"], p["hidden"]["kernel"]) + p["hidden"]["bias"])
+  return xent(dot(h, p["out"]["kernel"]) + p["out"]["bias"], mb)
+
+
+def tp_report(entry, layout, kind):
+  """``ga.inspect_step`` of ``entry``'s step on the TP mesh of ``kind``."""
+  (specs, gather), m = TP_LAYOUTS[layout], tp_mesh(kind)
+  params, tx = put(tp_params(), m, specs), ga.accumulate(TP_INNER, TP_K)
+  batch = put(tp_batches()[0], m, P("data"))
+  if entry == "linen":
+    model = LinenTP()
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    step = ga.linen_train_step(model, xent, mesh=m, param_specs=specs, gather_params=gather)
+    return ga.inspect_step(step, state, batch)
+  step = ga.micro_step(tp_loss, tx, mesh=m, param_specs=specs)
+  return ga.inspect_step(step, params, step.init(params), ga.microbatch(batch, 0, TP_K))
+
+
+@pytest.mark.parametrize(
+  "entry,layout", [("linen", layout) for layout in TP_LAYOUTS] + [("micro_step", "tp")]
+)
+def test_an_explicit_tensor_parallel_mesh_communicates_as_an_auto_one(entry, layout):
+  """Before, on jax 0.10 an explicit mesh gathered every model-sharded param into the
+  shard_map and every gradient out of it over "model": 9 all-gathers after the loop per
+  window (3x the sharded params' bytes) for the "tp" layout, none on an auto mesh or jax 0.12.
+  Now the all-gathers in and after the loop are an auto mesh's (an explicit FSDP + TP mesh
+  reduces with a psum where an auto one reduce-scatters: docs/architecture.md); for "tp"
+  every collective is, and none is an all-gather after the loop."""
+  auto, explicit = (tp_report(entry, layout, kind) for kind in ("auto", "explicit"))
+  for counts in ("in_loop", "after_loop", "in_loop_bytes", "after_loop_bytes"):
+    got, want = getattr(explicit, counts), getattr(auto, counts)
+    assert got.get("all-gather", 0) == want.get("all-gather", 0), (str(explicit), str(auto))
+    if layout == "tp":
+      assert got == want, (str(explicit), str(auto))
+  if layout == "tp":
+    explicit.check(max_in_loop=None, max_after_loop={"all-gather": 0, "reduce-scatter": 0})
+
+
 # --- tensor parallelism with BatchNorm: "bn" after the hidden layer, its scale, bias and running
 # statistics sharded over "model" like the hidden units, against the device-group reference on
 # one device (4 data devices, each threading the statistics through its micro-batches) ---------

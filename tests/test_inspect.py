@@ -257,6 +257,36 @@ def test_check_step_flags_hand_written_steps_that_are_not_the_big_batch(
   assert ("NOT equivalent" in str(result)) != ok and ("<- differs" in str(result)) != ok
 
 
+def toy_loss(params, batch):  # docs/verifying.md's
+  hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+@pytest.mark.slow
+def test_a_gradient_reduced_twice_fails_by_d_minus_1_with_sgd_and_by_a_small_margin_with_adam():
+  """docs/verifying.md: with Adam the distance is small (here above the default rtol), with
+  SGD it is D - 1 times the update."""
+  rng = np.random.default_rng(0)
+  params = {
+    "w1": rng.standard_normal((8, 32)).astype(np.float32) / 3,
+    "b1": np.zeros(32, np.float32),
+    "w2": rng.standard_normal((32, 1)).astype(np.float32) / 6,
+  }
+  rows = D * 8
+  batch = {"x": rng.standard_normal((rows, 8)), "y": rng.standard_normal((rows, 1))}
+  batch = jax.tree.map(lambda x: x.astype(np.float32), batch)
+  mesh = mesh_1d()
+  p, b = put(params, mesh, P()), put(batch, mesh, P("data"))
+  distance = {}
+  for name, inner in (("adam", optax.adam(1e-3)), ("sgd", optax.sgd(0.1))):
+    step = shard_map_step(inner, toy_loss, pmean_again)
+    result = ga.check_step(step, toy_loss, inner, p, inner.init(p), b)
+    assert not result.ok, (name, str(result))
+    distance[name] = max(result.max_rel.values())
+  assert 1e-4 < distance["adam"] < 1e-2, distance
+  np.testing.assert_allclose(distance["sgd"], D - 1, rtol=1e-3)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 

@@ -380,3 +380,91 @@ def test_a_voided_window_restores_the_model_state_the_window_found(bad, donate):
   assert bool(metrics["updated"])
   assert_trees_close(w, want_w)
   assert_trees_close(ms, want_ms)
+
+
+# --- narrow accumulators and shared windows (closed forms) ---------------------------------------
+
+
+def linear_loss(w, mb):
+  """The gradient of mean(x @ w) is the mean row of x: micro-batch i of rows c_i gives c_i."""
+  return jnp.mean(mb["x"] @ w)
+
+
+def rows_of(c):
+  return {"x": jnp.full((4, 2), c, jnp.float32), "t": jnp.full((4,), 0.0)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_a_narrow_accumulator_applies_the_window_mean_once(dtype, k):
+  """Before: bfloat16 and float16 accumulators applied k times the update (a plain sum of the
+  calls' gradients closed as a running mean). sgd(1) from 0 on gradients 1..k: -(k + 1) / 2."""
+  tx = ga.accumulate(optax.sgd(1.0), k, accum_dtype=jnp.dtype(dtype))
+  step, w = ga.micro_step(linear_loss, tx), jnp.zeros(2)
+  state = tx.init(w)
+  for i in range(k):
+    w, state, metrics = step(w, state, rows_of(i + 1.0))
+  np.testing.assert_allclose(w, -(k + 1) / 2, rtol=1e-2 if dtype != "float32" else 1e-6)
+  np.testing.assert_allclose(metrics["grad_norm"], (k + 1) / 2 * np.sqrt(2), rtol=1e-2)
+  assert int(state.count) == 1 and int(state.micro_step) == 0
+
+
+# Each mode's call, on the state any mode returned: ("m", c, w) a micro_step call on rows c of
+# weight w, ("u", c, w) a tx.update, ("f",) a flush. The window's update is -sum(w c) / sum(w).
+SHARED = [
+  ([("m", 1.0, 1.0), ("u", 3.0, 1.0)], -2.0),
+  ([("u", 1.0, 1.0), ("m", 3.0, 1.0)], -2.0),
+  ([("m", 1.0, 1.0), ("m", 2.0, 1.0), ("f",)], -1.5),
+  ([("m", 1.0, 2.0), ("m", 2.0, 1.0), ("m", 9.0, 0.0), ("m", 4.0, 5.0)], -(2 + 2 + 20) / 8),
+  ([("u", 1.0, 2.0), ("m", 2.0, 1.0), ("u", 9.0, 0.0), ("m", 4.0, 5.0)], -(2 + 2 + 20) / 8),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("calls,expected", SHARED, ids=["m+u", "u+m", "m+m+flush", "m4", "umum"])
+def test_streaming_modes_share_a_window_with_any_accumulator(dtype, calls, expected):
+  """micro_step, tx.update and flush on one window, with uneven weights (one of 0): the update
+  is the window's weighted mean, once (before, with bfloat16: 3, 4.5, 3 and 7 where 2, 2, 1.5
+  and 3 are right); the closing micro_step's grad_norm is its norm."""
+  k = sum(c[0] != "f" for c in calls) + (calls[-1][0] == "f")
+  tx = ga.accumulate(optax.sgd(1.0), k, accum_dtype=jnp.dtype(dtype))
+  step = ga.micro_step(linear_loss, tx, weight_fn=lambda mb: jnp.sum(mb["t"]) + mb["w"][0])
+  update = jax.jit(lambda g, s, w, weight: tx.update(g, s, w, weight=weight))
+  w, state, metrics = jnp.zeros(2), tx.init(jnp.zeros(2)), None
+  for call in calls:
+    if call[0] == "m":
+      w, state, metrics = step(w, state, dict(rows_of(call[1]), w=jnp.full((4,), call[2])))
+    elif call[0] == "u":
+      u, state = update(jnp.full(2, call[1]), state, w, call[2])
+      w = w + u
+    else:
+      u, state = ga.flush(tx, state, w)
+      w = w + u
+  tol = 2e-2 if dtype != "float32" else 1e-6
+  np.testing.assert_allclose(w, expected, rtol=tol)
+  assert int(state.count) == 1 and bool(ga.has_updated(state))
+  if calls[-1][0] == "m":
+    np.testing.assert_allclose(metrics["grad_norm"], -expected * np.sqrt(2), rtol=tol)
+
+
+@pytest.mark.parametrize("layout", [None, "replicated"])
+def test_the_returned_state_answers_every_accumulate_state_field(layout):
+  """state.count, state.inner_state, ... of the state micro_step returns, as of every other
+  mode's (before: AttributeError on the MicroStepState wrapper); acc_grads and acc_weight are
+  the window's totals over the device slots."""
+  mesh = None if layout is None else mesh_1d()
+  tx = ga.accumulate(optax.sgd(1.0, momentum=0.9), 3)
+  step = ga.micro_step(linear_loss, tx, mesh=mesh)
+  w, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+  for c in (1.0, 2.0):
+    mb = rows_of(c) if mesh is None else put(dict(x=jnp.full((D, 2), c)), mesh, P("data"))
+    w, state, _ = step(w, state, mb)
+  assert int(state.count) == 0 and int(state.micro_step) == 2 and int(state.num_skipped) == 0
+  assert not bool(state.updated) and state.loss_scale is None and state.noise_scale is None
+  assert jax.tree.structure(state.inner_state) == jax.tree.structure(tx.init(w).inner_state)
+  np.testing.assert_allclose(state.acc_grads, [3.0, 3.0], rtol=1e-6)  # 1 + 2
+  np.testing.assert_allclose(state.acc_weight, 2.0)
+  for name in ga.AccumulateState._fields:
+    getattr(state, name)
+  with pytest.raises(AttributeError, match="no attribute 'acc'"):
+    state.acc  # noqa: B018
