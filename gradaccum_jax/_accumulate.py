@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ import optax
 
 from gradaccum_jax._checks import (
   NumMicrobatches,
+  check_migrated,
   check_num_microbatches,
   check_same_structure,
   check_scheduled_k,
@@ -173,12 +175,14 @@ def has_updated(state: AccumulateState) -> jax.Array:
     >>> bool(ga.has_updated(state))
     False
   """
-  state = state.accumulate if isinstance(state, MicroStepState) else state
-  if not isinstance(state, AccumulateState):
+  if not isinstance(state, AccumulateState | MicroStepState):
     raise TypeError(
       f"has_updated expects an AccumulateState, got {type(state).__name__}: pass the state"
       " returned by ga.accumulate(...).init/update, not the inner optimizer's state."
     )
+  nnx = sys.modules.get("flax.nnx")  # nnx.Optimizer wraps the state's leaves
+  if nnx is not None and isinstance(state.updated, nnx.Variable):
+    return state.updated[...]
   return state.updated
 
 
@@ -509,12 +513,13 @@ class Accumulate(optax.GradientTransformationExtraArgs):
 
 def accumulate(
   inner: optax.GradientTransformation,
-  num_microbatches: NumMicrobatches,
+  num_microbatches: NumMicrobatches | None = None,
   *,
   accum_dtype: Any = jnp.float32,
   skip_nonfinite: bool = True,
   loss_scale: DynamicLossScale | None = None,
   noise_scale_ema: float | None = None,
+  **unexpected: Any,
 ) -> Accumulate:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
@@ -556,6 +561,12 @@ def accumulate(
     >>> updates, int(state.count)  # -(1*1 + 3*4) / (1 + 3)
     (Array([-3.25, -3.25], dtype=float32), 1)
   """
+  check_migrated(num_microbatches, unexpected)
+  if isinstance(inner, optax.MultiSteps):
+    raise TypeError(
+      "inner is an optax.MultiSteps, which accumulates by itself: pass the optimizer it wraps,"
+      " optax.MultiSteps(opt, every_k_schedule=k) becomes ga.accumulate(opt, num_microbatches=k)."
+    )
   k = check_num_microbatches(num_microbatches, allow_schedule=True)
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")

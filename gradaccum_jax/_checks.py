@@ -63,6 +63,23 @@ def check_num_microbatches(
   return k
 
 
+def check_migrated(num_microbatches: Any, unexpected: dict[str, Any]) -> None:
+  """TypeErrors for ``accumulate``'s arguments that are not its own, which say what to pass:
+  ``every_k_schedule`` (``optax.MultiSteps``' name) is ``num_microbatches``."""
+  if "every_k_schedule" in unexpected:
+    raise TypeError(
+      f"every_k_schedule={unexpected['every_k_schedule']!r} is optax.MultiSteps' argument;"
+      " ga.accumulate calls it num_microbatches: ga.accumulate(opt, num_microbatches=k)."
+    )
+  if unexpected:
+    raise TypeError(f"accumulate() got an unexpected keyword argument {next(iter(unexpected))!r}")
+  if num_microbatches is None:
+    raise TypeError(
+      "accumulate() needs num_microbatches, the micro-batches per optimizer step: e.g."
+      " ga.accumulate(optax.adam(1e-3), num_microbatches=4)."
+    )
+
+
 def check_scheduled_k(value: Any) -> jax.Array:
   """The value of a ``num_microbatches`` schedule as an int32 scalar (a float is refused)."""
   try:

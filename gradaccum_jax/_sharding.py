@@ -147,7 +147,7 @@ _REPLICATES_EXPLICIT_AXES = tuple(map(int, jax.__version__.split(".")[:2])) < (0
 def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any, out_specs: Any):
   """``jax.shard_map(fn)`` manual over ``dp``'s data axes, the others left to GSPMD; every mesh
   code path of the package goes through it. Before jax 0.11, with other Explicit axes, ``fn``
-  sees them as Auto (``jax.sharding.auto_axes``): docs/data_parallel.md."""
+  sees them as Auto (``jax.sharding.auto_axes``) unless it names one (docs/data_parallel.md)."""
 
   def over(mesh):
     return jax.shard_map(
@@ -163,10 +163,14 @@ def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any,
     return over(mesh)
 
   def call(*args):
+    # Traced as it is first: a mistake in fn raises here, as it would from jax 0.11 on.
     specs = jax.tree.map(lambda s: s.sharding.spec, jax.eval_shape(over(mesh), *args))
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      inner = lambda *a: over(jax.sharding.get_abstract_mesh())(*a)  # noqa: E731
-      return jax.sharding.auto_axes(inner, axes=model, out_sharding=specs)(*args)
+    try:
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        inner = lambda *a: over(jax.sharding.get_abstract_mesh())(*a)  # noqa: E731
+        return jax.sharding.auto_axes(inner, axes=model, out_sharding=specs)(*args)
+    except ValueError:  # fn names a model axis (out_sharding=): it needs them Explicit
+      return over(mesh)(*args)
 
   return call
 

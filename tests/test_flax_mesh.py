@@ -325,17 +325,18 @@ def tp_batches(rows=TP_ROWS):
   ]
 
 
+def tp_plain_loss(p, batch):
+  h = jnp.tanh(batch["x"] @ p["hidden"]["kernel"] + p["hidden"]["bias"])
+  return xent(h @ p["out"]["kernel"] + p["out"]["bias"], batch)
+
+
 @functools.cache
 def tp_reference():
   """The big-batch step (jax.value_and_grad of the mean loss over the whole window, on one
   device, then TP_INNER) on each window, the model written in plain jax.numpy: the params
   after both, and the last window's loss and gradient norm."""
 
-  def loss(p, batch):
-    h = jnp.tanh(batch["x"] @ p["hidden"]["kernel"] + p["hidden"]["bias"])
-    return xent(h @ p["out"]["kernel"] + p["out"]["bias"], batch)
-
-  params, value, grads = big_batch_steps(loss, TP_INNER, tp_params(), tp_batches())
+  params, value, grads = big_batch_steps(tp_plain_loss, TP_INNER, tp_params(), tp_batches())
   return params, value, optax.tree.norm(grads)
 
 
@@ -476,6 +477,27 @@ def test_an_explicit_tensor_parallel_mesh_communicates_as_an_auto_one(entry, lay
       assert got == want, (str(explicit), str(auto))
   if layout == "tp":
     explicit.check(max_in_loop=None, max_after_loop={"all-gather": 0, "reduce-scatter": 0})
+
+
+def named_loss(p, mb):
+  """tp_loss with the model axis named in out_sharding=, as a plain jit step on the mesh needs."""
+  h = jnp.matmul(mb["x"], p["hidden"]["kernel"], out_sharding=P(None, "model"))
+  h = jnp.tanh(h + p["hidden"]["bias"])
+  logits = jnp.matmul(h, p["out"]["kernel"], out_sharding=P())
+  return xent(logits + p["out"]["bias"], mb)
+
+
+def test_a_loss_that_names_the_model_axis_runs_on_an_explicit_mesh():
+  """On jax 0.10 such a loss cannot run with the model axes Auto: it keeps them Explicit (and
+  the all-gathers). The window equals the big-batch step of the same loss on one device."""
+  m, specs = tp_mesh("explicit"), TP_SPECS
+  params, batch = put(tp_params(), m, specs), tp_batches()[0]
+  tx = ga.accumulate(TP_INNER, TP_K)
+  step = ga.train_step(named_loss, tx, mesh=m, param_specs=specs)
+  new, _, metrics = step(params, tx.init(params), put(batch, m, P("data")))
+  expected, loss, _ = big_batch_steps(tp_plain_loss, TP_INNER, tp_params(), [batch])
+  assert_trees_close(new, expected)
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
 
 
 # --- tensor parallelism with BatchNorm: "bn" after the hidden layer, its scale, bias and running

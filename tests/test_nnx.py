@@ -327,3 +327,18 @@ def test_donated_step_voids_a_bad_window_in_place_and_matches_the_undonated_step
     assert bool(step(model, optimizer, good)["updated"])
     results.append(params_of(model))
   assert_trees_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+def test_has_updated_reads_the_state_an_nnx_optimizer_wraps():
+  """nnx.Optimizer wraps the state's leaves in variables: ga.has_updated unwraps them (before,
+  it returned the variable), False inside a window and True after the closing update."""
+  model = MLP()
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+  seen = []
+  for i in range(2):
+    grads = nnx.grad(xent)(model, ga.microbatch(make_batch(jax.random.key(1), B), i, 2))
+    optimizer.update(model, grads)
+    updated = ga.has_updated(optimizer.opt_state)
+    assert isinstance(updated, jax.Array) and updated.dtype == jnp.bool_
+    seen.append(bool(updated))
+  assert seen == [False, True]
