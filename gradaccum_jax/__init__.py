@@ -12,11 +12,11 @@ from gradaccum_jax._accumulate import has_updated as has_updated
 from gradaccum_jax._autosize import auto_microbatch as auto_microbatch
 from gradaccum_jax._autosize import step_memory as step_memory
 from gradaccum_jax._equivalence import EquivalenceReport as EquivalenceReport
+from gradaccum_jax._equivalence import StepCheck as StepCheck
 from gradaccum_jax._equivalence import check_equivalence as check_equivalence
+from gradaccum_jax._equivalence import check_step as check_step
 from gradaccum_jax._flax import linen_train_step as linen_train_step
-from gradaccum_jax._inspect import StepCheck as StepCheck
 from gradaccum_jax._inspect import StepReport as StepReport
-from gradaccum_jax._inspect import check_step as check_step
 from gradaccum_jax._inspect import inspect_step as inspect_step
 from gradaccum_jax._lr import scale_adam_hyperparams as scale_adam_hyperparams
 from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate

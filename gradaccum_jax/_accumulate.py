@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 import sys
 from typing import Any, NamedTuple
 
@@ -16,6 +15,7 @@ from gradaccum_jax._checks import (
   NumMicrobatches,
   check_migrated,
   check_num_microbatches,
+  check_real,
   check_same_structure,
   check_scheduled_k,
   check_trainable,
@@ -26,10 +26,12 @@ from gradaccum_jax._noise import (
   add_noise,
   after_window,
   init_state,
+  noise_scale,
   open_sums,
   with_sums,
 )
-from gradaccum_jax._parts import Weighting, add_gradients, mean_of, sq_norm
+from gradaccum_jax._parts import Weighting, add_gradients, mean_of, sq_norm, zeros_accumulator
+from gradaccum_jax._sharding import on_the_params_mesh, with_types_of
 
 Params = optax.Params
 Updates = optax.Updates
@@ -110,10 +112,12 @@ def slot_totals(state: Any) -> Any:
   acc = state.accumulate
   if jnp.ndim(acc.acc_weight) == 0:
     return acc
-  total = lambda x: jnp.sum(x, axis=0)  # noqa: E731
-  acc = acc._replace(acc_grads=jax.tree.map(total, acc.acc_grads), acc_weight=total(acc.acc_weight))
-  noise = jax.tree.map(total, open_sums(acc.noise_scale))
-  return acc._replace(noise_scale=with_sums(acc.noise_scale, noise))
+  grads, weight, noise = jax.tree.map(
+    lambda x: jnp.sum(x, axis=0), (acc.acc_grads, acc.acc_weight, open_sums(acc.noise_scale))
+  )
+  return acc._replace(
+    acc_grads=grads, acc_weight=weight, noise_scale=with_sums(acc.noise_scale, noise)
+  )
 
 
 class LossScaleState(NamedTuple):
@@ -186,43 +190,25 @@ def has_updated(state: AccumulateState) -> jax.Array:
   return state.updated
 
 
-def _on_the_params_mesh(state: Any, params: Params) -> Any:
-  """``state`` with every concrete array that is not on the params' mesh (the counters, the
-  inner optimizer's own ``count``) placed there, replicated: a checkpoint restored onto
-  ``tx.init(params)``'s shardings then finds every leaf on one set of devices."""
+class Closed(NamedTuple):
+  """What closing a window gives: everything its callers report."""
 
-  def concrete(x):
-    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-
-  def named(x):
-    return concrete(x) and isinstance(x.sharding, jax.sharding.NamedSharding)
-
-  meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if named(x)]
-  if not meshes:
-    return state
-  replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
-  return jax.tree.map(
-    lambda x: jax.device_put(x, replicated) if concrete(x) and not named(x) else x, state
-  )
+  out: Any  # the new params, or (mode "cond") the updates
+  state: AccumulateState  # the state after the window, its accumulator cleared or as it was
+  grad_norm: jax.Array  # the global norm of the window's mean gradient
+  noise: tuple[jax.Array, jax.Array] | tuple[()]  # this window's |G|^2 and tr(Sigma) estimates
 
 
-def zeros_accumulator(params: Params, accum_dtype: Any) -> Updates:
-  """Zeros like ``params`` (shapes and shardings, as optax's own state), in ``accum_dtype``'s
-  precision (complex for a complex leaf; the params' dtypes if None)."""
-
-  def zeros(p):
-    dtype = jnp.result_type(p)
-    if accum_dtype is not None:
-      complex_leaf = jnp.issubdtype(dtype, jnp.complexfloating)
-      dtype = jnp.promote_types(accum_dtype, jnp.complex64) if complex_leaf else accum_dtype
-    return jnp.zeros_like(p, dtype)
-
-  return jax.tree.map(zeros, params)
+# How a window is closed, by the caller's layout (docs/architecture.md, "Closing a window"):
+# "select" (undonated fused steps), "loop" (donated ones, in place), "cond" (streaming calls,
+# in their lax.cond: the updates) and "cond_apply" (a donated micro_step: the params, in place).
+CLOSE_MODES = ("select", "loop", "cond", "cond_apply")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Accumulator:
-  """Settings of one ``accumulate`` transformation; ``init``/``update`` are its methods."""
+class Accumulator:
+  """The core of one ``accumulate`` transformation: its settings, ``init`` and ``update``,
+  and :meth:`close`, the one place that decides what a window does."""
 
   inner: optax.GradientTransformationExtraArgs
   num_microbatches: NumMicrobatches
@@ -243,7 +229,7 @@ class _Accumulator:
       loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
       noise_scale=None if self.noise_scale_ema is None else init_state(),
     )
-    return _on_the_params_mesh(state, params)
+    return on_the_params_mesh(state, params)
 
   def window_size(self, count: jax.Array) -> jax.Array | int:
     k = self.num_microbatches
@@ -270,27 +256,14 @@ class _Accumulator:
     return state
 
   def close(
-    self,
-    acc_grads: Updates,
-    acc_weight: jax.Array,
-    state: AccumulateState,
-    params: Params | None,
-    grad_like: Updates,
-    extra_args: dict[str, Any],
-    in_place: bool = False,
-    norm_by_rows: bool = False,
-    branch: bool = False,
-  ) -> tuple[Updates, AccumulateState, jax.Array]:
-    """Closes a window: one inner update on ``acc_grads / acc_weight``.
-
-    Returns the new params (``branch`` without ``in_place``: the updates), the new state and
-    the mean gradient's global norm (float32). A window of zero or non-finite total weight, or
-    (with ``skip_nonfinite`` or loss scaling) a non-finite mean, is voided, the params and inner
-    state kept: by selects (the default), a loop of 0 or 1 trips (``in_place``: a donated fused
-    step) or a ``lax.cond`` (``branch``: streaming calls, whose caller clears ``acc_grads``
-    after its own ``lax.cond``: ``_close_if``). Why each: docs/architecture.md, "Closing a
-    window".
-    """
+    self, acc_grads: Updates, acc_weight: jax.Array, state: AccumulateState,
+    params: Params | None, grad_like: Updates, extra_args: dict[str, Any],
+    mode: str = "select", norm_by_rows: bool = False,
+  ) -> Closed:  # fmt: skip
+    """Closes a window: one inner update on ``acc_grads / acc_weight``, kept out by ``mode``
+    (:data:`CLOSE_MODES`) for a window of zero or non-finite total weight, or (with
+    ``skip_nonfinite`` or loss scaling) a non-finite mean: params and inner state kept, the
+    window counted in ``num_skipped``. ``norm_by_rows``: see :func:`sq_norm`."""
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
@@ -305,13 +278,14 @@ class _Accumulator:
       ok = ok & jnp.isfinite(sq)
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
-    if branch:
-      mode = functools.partial(self._in_branch, apply=in_place)
-    else:
-      mode = self._in_loop if in_place else self._in_selects
-    inner = lambda p, inner: self._inner_update(mean_fn(), inner, p, extra_args)  # noqa: E731
-    updates, inner_state, cleared = mode(ok, inner, acc_grads, params, state.inner_state)
-    noise = after_window(state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale)
+
+    def inner(params, inner_state):
+      return inner_update(self.inner, mean_fn(), inner_state, params, extra_args)
+
+    updates, inner_state, cleared = _CLOSERS[mode](ok, inner, acc_grads, params, state.inner_state)
+    noise, estimates = after_window(
+      state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale
+    )
     new_state = AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       count=optax.safe_increment(state.count),
@@ -323,101 +297,30 @@ class _Accumulator:
       loss_scale=loss_scale,
       noise_scale=noise,
     )
-    return updates, new_state, jnp.sqrt(sq)
-
-  @staticmethod
-  def _in_loop(ok, inner, acc_grads, params, inner_state):
-    """The new params and inner state written over the donated old ones, in a loop of 0 or 1
-    trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
-
-    def run(carry):
-      updates, state = inner(*carry)
-      return _applied(carry[0], updates), state
-
-    done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
-    cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
-    return *out, cleared
-
-  @staticmethod
-  def _in_branch(ok, inner, acc_grads, params, inner_state, apply):
-    """Updates or zeros (``apply``: the new or the old params, written over donated ones) and
-    the inner state, in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
-
-    def run(carry):
-      updates, state = inner(*carry)
-      return (_applied(carry[0], updates) if apply else updates), state
-
-    def keep(carry):
-      return (carry[0] if apply else zeros_like_output(inner, *carry)[0]), carry[1]
-
-    return *jax.lax.cond(ok, run, keep, (params, inner_state)), acc_grads
-
-  @staticmethod
-  def _in_selects(ok, inner, acc_grads, params, inner_state):
-    """The new params (the old ones for a voided window) and inner state by selects (best
-    undonated: the results are new buffers)."""
-    updates, new_inner = inner(params, inner_state)
-    new_params = _applied(params, updates)
-    new_params = jax.tree.map(lambda p, new: jnp.where(ok, new, p), params, new_params)
-    new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
-    return new_params, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
-
-  def _inner_update(self, mean, inner_state, params, extra_args):
-    """``inner.update`` on the window's mean gradient, with errors that say what ga passes."""
-    extra_args = {k: (mean if v is MEAN_GRADIENT else v) for k, v in extra_args.items()}
-    try:
-      return self.inner.update(mean, inner_state, params, **extra_args)
-    except ValueError as e:
-      if params is not None or "params" not in str(e):
-        raise
-      raise ValueError(
-        f"The inner optimizer of ga.accumulate needs the params ({e}). Pass them to every"
-        " call: tx.update(grads, state, params) (ga.flush(tx, state, params) too)."
-      ) from e
-    except TypeError as e:
-      if "value_fn" in str(e):
-        raise TypeError(
-          "The inner optimizer needs value_fn= (a line search, e.g. optax.lbfgs), which would"
-          " re-evaluate the loss over the whole window at new params: ga cannot provide it."
-          " Use an optimizer without a line search, or a fixed learning rate."
-        ) from e
-      if "'value'" in str(e) or "'grad'" in str(e):
-        raise TypeError(
-          f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step pass"
-          " the window's mean loss as value= and its mean gradient as grad=. In streaming mode"
-          " pass them to every tx.update call, e.g. tx.update(g, state, params, value=mean_loss):"
-          " under jit a call cannot know if it closes the window; the closing call's value is used."
-        ) from e
-      raise
+    return Closed(updates, new_state, jnp.sqrt(sq), estimates)
 
   def update(
-    self,
-    grads: Updates,
-    state: AccumulateState,
-    params: Params | None = None,
-    *,
-    weight: Any = None,
-    **extra_args: Any,
-  ) -> tuple[Updates, AccumulateState]:
+    self, grads: Updates, state: AccumulateState, params: Params | None = None, *,
+    weight: Any = None, **extra_args: Any,
+  ) -> tuple[Updates, AccumulateState]:  # fmt: skip
     state = self.check_state(state)
     check_same_structure(grads, state.acc_grads, "grads")
     check_trainable(grads, "grads")
     wt = Weighting(None if weight is None else check_weight)
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
-    acc = add_gradients(state.acc_grads, grads, w, state.acc_weight, wt)
     noise = state.noise_scale
     if noise is not None:
       noise = add_noise(noise, sq_norm(grads), None if weight is None else w, 1.0)
     held = state._replace(
       micro_step=optax.safe_increment(state.micro_step),
       updated=jnp.zeros((), bool),
-      acc_grads=acc,
+      acc_grads=add_gradients(state.acc_grads, grads, w, state.acc_weight, wt),
       acc_weight=state.acc_weight + wt.total(w),
       noise_scale=noise,
     )
     k = self.num_microbatches
     closes = (isinstance(k, int) and k == 1) or held.micro_step >= self.window_size(state.count)
-    return self._close_if(closes, held, params, grads if params is None else params, extra_args)
+    return _close_if(self, closes, held, params, grads if params is None else params, extra_args)
 
   def flush(
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
@@ -426,26 +329,120 @@ class _Accumulator:
     state = self.check_state(state)
     held = state._replace(updated=jnp.zeros((), bool))
     grad_like = state.acc_grads if params is None else params
-    return self._close_if(state.micro_step > 0, held, params, grad_like, extra_args)
+    return _close_if(self, state.micro_step > 0, held, params, grad_like, extra_args)
 
-  def _close_if(self, closes, state, params, grad_like, extra_args):
-    """``(updates, state)``: the window closed if ``closes``, in a ``lax.cond`` whose branches
-    only read the accumulator (reverse-differentiable); the zeros are written over it after."""
 
-    def close(state):
-      acc, weight = state.acc_grads, state.acc_weight
-      out = self.close(acc, weight, state, params, grad_like, extra_args, branch=True)
-      return jnp.ones((), bool), *out[:2]
+def _close_if(accumulator: Accumulator, closes, state, params, grad_like, extra_args):
+  """``(updates, state)`` of a streaming call: the window closed if ``closes``, in a
+  ``lax.cond`` whose branches only read the accumulator (reverse-differentiable); the zeros
+  are written over it after."""
 
-    def hold(state):
-      return jnp.zeros((), bool), zeros_like_output(close, state)[1], state
+  def close(state):
+    acc, weight = state.acc_grads, state.acc_weight
+    closed = accumulator.close(acc, weight, state, params, grad_like, extra_args, mode="cond")
+    return jnp.ones((), bool), closed.out, closed.state
 
-    if closes is True:
-      closed, updates, state = close(state)
-    else:
-      closed, updates, state = jax.lax.cond(closes, close, hold, state)
-    acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
-    return updates, state._replace(acc_grads=acc)
+  def hold(state):
+    return jnp.zeros((), bool), zeros_like_output(close, state)[1], state
+
+  if closes is True:
+    closed, updates, state = close(state)
+  else:
+    closed, updates, state = jax.lax.cond(closes, close, hold, state)
+  acc = jax.tree.map(lambda a: jnp.where(closed, jnp.zeros_like(a), a), state.acc_grads)
+  return updates, state._replace(acc_grads=acc)
+
+
+def _in_loop(ok, inner, acc_grads, params, inner_state):
+  """The new params and inner state written over the donated old ones, in a loop of 0 or 1
+  trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
+
+  def run(carry):
+    updates, state = inner(*carry)
+    return _applied(carry[0], updates), state
+
+  done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
+  cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
+  return *out, cleared
+
+
+def _in_cond(ok, inner, acc_grads, params, inner_state, apply=False):
+  """Updates or zeros (``apply``: the new or the old params, written over donated ones) and
+  the inner state, in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
+
+  def run(carry):
+    updates, state = inner(*carry)
+    return (_applied(carry[0], updates) if apply else updates), state
+
+  def keep(carry):
+    return (carry[0] if apply else zeros_like_output(inner, *carry)[0]), carry[1]
+
+  return *jax.lax.cond(ok, run, keep, (params, inner_state)), acc_grads
+
+
+def _in_selects(ok, inner, acc_grads, params, inner_state):
+  """The new params (the old ones for a voided window) and inner state by selects (best
+  undonated: the results are new buffers)."""
+  updates, new_inner = inner(params, inner_state)
+  new_params = _applied(params, updates)
+  new_params = jax.tree.map(lambda p, new: jnp.where(ok, new, p), params, new_params)
+  new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_inner, inner_state)
+  return new_params, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
+
+
+_CLOSERS = {
+  "select": _in_selects,
+  "loop": _in_loop,
+  "cond": _in_cond,
+  "cond_apply": functools.partial(_in_cond, apply=True),
+}
+
+
+def inner_update(inner, mean, inner_state, params, extra_args):
+  """``inner.update`` on the window's mean gradient, with errors that say what ga passes."""
+  extra_args = {k: (mean if v is MEAN_GRADIENT else v) for k, v in extra_args.items()}
+  try:
+    return inner.update(mean, inner_state, params, **extra_args)
+  except ValueError as e:
+    if params is not None or "params" not in str(e):
+      raise
+    raise ValueError(
+      f"The inner optimizer of ga.accumulate needs the params ({e}). Pass them to every"
+      " call: tx.update(grads, state, params) (ga.flush(tx, state, params) too)."
+    ) from e
+  except TypeError as e:
+    if "value_fn" in str(e):
+      raise TypeError(
+        "The inner optimizer needs value_fn= (a line search, e.g. optax.lbfgs), which would"
+        " re-evaluate the loss over the whole window at new params: ga cannot provide it."
+        " Use an optimizer without a line search, or a fixed learning rate."
+      ) from e
+    if "'value'" in str(e) or "'grad'" in str(e):
+      raise TypeError(
+        f"The inner optimizer needs extra arguments ({e}). ga.train_step and ga.micro_step pass"
+        " the window's mean loss as value= and its mean gradient as grad=. In streaming mode"
+        " pass them to every tx.update call, e.g. tx.update(g, state, params, value=mean_loss):"
+        " under jit a call cannot know if it closes the window; the closing call's value is used."
+      ) from e
+    raise
+
+
+def window_metrics(closed: Closed, loss: Any, aux: Any, weight: jax.Array, has_aux: bool,
+                   scale: jax.Array | None) -> dict[str, Any]:  # fmt: skip
+  """The metrics every mode reports for a window it closes (without ``"updated"``, which each
+  mode reads where it holds the state): ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"aux"``
+  with ``has_aux``, ``"loss_scale"`` with loss scaling, the noise scale's with it on."""
+  metrics = dict(loss=loss, grad_norm=closed.grad_norm, weight=weight)
+  if has_aux:
+    metrics["aux"] = aux
+  if scale is not None:
+    metrics["loss_scale"] = scale
+  if closed.noise:
+    g2, trace = closed.noise
+    metrics.update(
+      noise_scale=noise_scale(closed.state), grad_sq_norm_est=g2, trace_sigma_est=trace
+    )
+  return metrics
 
 
 def _applied(params: Params, updates: Updates) -> Params:
@@ -463,25 +460,10 @@ def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = Fals
   the predicate at the loop's exit, always False, but a select on it follows the loop."""
 
   def body(c):
-    return jnp.zeros((), bool), _with_types_of(fn(c[1]), c[1])
+    return jnp.zeros((), bool), with_types_of(fn(c[1]), c[1])
 
   out = jax.lax.while_loop(lambda c: c[0], body, (pred, carry))
   return out if with_done else out[1]
-
-
-def _with_types_of(tree: Any, like: Any) -> Any:
-  """``tree`` resharded where a leaf's sharding type differs from ``like``'s (on an explicit
-  mesh, a loop's carry must keep its type: an inner state laid out replicated, updated from
-  gradients sharded like the params, comes out sharded)."""
-
-  def cast(x, ref):
-    want = getattr(jax.typeof(ref), "sharding", None)
-    axis_types = getattr(getattr(want, "mesh", None), "axis_types", ())
-    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
-      return x  # no sharding in the types
-    return x if jax.typeof(x).sharding.spec == want.spec else jax.reshard(x, want)
-
-  return jax.tree.map(cast, tree, like)
 
 
 # Stands for the window's mean gradient in the extra arguments the fused step gives ``close``.
@@ -496,7 +478,7 @@ class Accumulate(optax.GradientTransformationExtraArgs):
   __slots__ = ()
 
   @property
-  def settings(self) -> _Accumulator:
+  def settings(self) -> Accumulator:
     return self.update.__self__
 
   num_microbatches = property(lambda self: self.settings.num_microbatches)
@@ -561,7 +543,7 @@ def accumulate(
     >>> updates, int(state.count)  # -(1*1 + 3*4) / (1 + 3)
     (Array([-3.25, -3.25], dtype=float32), 1)
   """
-  check_migrated(num_microbatches, unexpected)
+  check_migrated(unexpected)
   if isinstance(inner, optax.MultiSteps):
     raise TypeError(
       "inner is an optax.MultiSteps, which accumulates by itself: pass the optimizer it wraps,"
@@ -574,18 +556,14 @@ def accumulate(
   if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
     raise TypeError(f"loss_scale must be a ga.DynamicLossScale or None, got {loss_scale!r}.")
   if noise_scale_ema is not None:
-    if isinstance(noise_scale_ema, bool) or not isinstance(noise_scale_ema, numbers.Real):
-      raise TypeError(
-        f"noise_scale_ema must be a float decay in [0, 1) (e.g. 0.99) or None, got"
-        f" {noise_scale_ema!r} of type {type(noise_scale_ema).__name__}."
-      )
+    must = "noise_scale_ema must be a float decay in [0, 1) (e.g. 0.99) or None"
+    noise_scale_ema = check_real(noise_scale_ema, must)
     if not 0.0 <= noise_scale_ema < 1.0:
       raise ValueError(
         f"noise_scale_ema must be a decay in [0, 1) (e.g. 0.99; 0 keeps only the last"
         f" window), got {noise_scale_ema!r}."
       )
-    noise_scale_ema = float(noise_scale_ema)
-  acc = _Accumulator(
+  acc = Accumulator(
     inner=optax.with_extra_args_support(inner),
     num_microbatches=k,
     accum_dtype=accum_dtype,

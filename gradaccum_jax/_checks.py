@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 import sys
 from collections.abc import Callable
@@ -12,6 +13,21 @@ import jax.numpy as jnp
 
 # An int, or a schedule ``count -> int`` (``count``: windows closed so far).
 NumMicrobatches = int | Callable[[jax.Array], Any]
+
+
+def check_real(value: Any, must: str) -> float:
+  """``value`` as a float, or a TypeError ``"{must}, got {value!r}."``: a real number, not a
+  bool (``must`` names it and says what it must be, e.g. ``"rtol must be a positive float"``)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{must}, got {value!r}.")
+  return float(value)
+
+
+def check_int(value: Any, must: str) -> int:
+  """``value`` as an int, or a TypeError ``"{must}"``: an integer, not a bool."""
+  if isinstance(value, bool) or not hasattr(value, "__index__"):
+    raise TypeError(must)
+  return operator.index(value)
 
 
 def is_inexact(x: Any) -> bool:
@@ -53,17 +69,14 @@ def check_num_microbatches(
       f" {num_microbatches=}. Pass an int to ga.accumulate, drive a schedule with tx.update"
       " (streaming mode), or use ga.ramp_train_step."
     )
-  if isinstance(num_microbatches, bool) or not hasattr(num_microbatches, "__index__"):
-    raise TypeError(
-      f"{num_microbatches=} must be a positive int (micro-batches per optimizer step)."
-    )
-  k = operator.index(num_microbatches)
+  must = f"{num_microbatches=} must be a positive int (micro-batches per optimizer step)."
+  k = check_int(num_microbatches, must)
   if k <= 0:
     raise ValueError(f"{num_microbatches=} must be a positive int, got {k}.")
   return k
 
 
-def check_migrated(num_microbatches: Any, unexpected: dict[str, Any]) -> None:
+def check_migrated(unexpected: dict[str, Any]) -> None:
   """TypeErrors for ``accumulate``'s arguments that are not its own, which say what to pass:
   ``every_k_schedule`` (``optax.MultiSteps``' name) is ``num_microbatches``."""
   if "every_k_schedule" in unexpected:
@@ -73,11 +86,6 @@ def check_migrated(num_microbatches: Any, unexpected: dict[str, Any]) -> None:
     )
   if unexpected:
     raise TypeError(f"accumulate() got an unexpected keyword argument {next(iter(unexpected))!r}")
-  if num_microbatches is None:
-    raise TypeError(
-      "accumulate() needs num_microbatches, the micro-batches per optimizer step: e.g."
-      " ga.accumulate(optax.adam(1e-3), num_microbatches=4)."
-    )
 
 
 def check_scheduled_k(value: Any) -> jax.Array:

@@ -168,7 +168,10 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
 
   if not jit:
     return step
-  k = lambda a: as_accumulate(a[0].tx).fixed_num_microbatches("linen_train_step")  # noqa: E731
+
+  def k(args):
+    return as_accumulate(args[0].tx).fixed_num_microbatches("linen_train_step")
+
   return JitStep(jax.jit(step, donate_argnums=(0,) if donate else ()), k)
 
 
@@ -239,5 +242,8 @@ def linen_train_step(
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   if gather_params != "auto":
     return _linen_step(model, opts, donate, jit)
-  build = lambda g: _linen_step(model, opts.with_gather(g), donate, True)  # noqa: E731
+
+  def build(gather):
+    return _linen_step(model, opts.with_gather(gather), donate, True)
+
   return auto_gather(build, opts.parallel.budget, jit, "linen_train_step")

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
-import optax
 
-from gradaccum_jax._accumulate import Accumulate, AccumulateState, MicroStepState
+from gradaccum_jax._checks import check_int
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -101,7 +98,7 @@ def _budget(value: Any, name: str) -> dict[str, int] | None:
   for kind, n in budget.items():
     if kind not in KINDS:
       raise ValueError(f"{name} names an unknown collective {kind!r}; the kinds are {KINDS}.")
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+    if check_int(n, f"{name} must give an int count for {kind!r}, got {n!r}.") < 0:
       raise ValueError(f"{name} must give a count >= 0 for {kind!r}, got {n!r}.")
   return {kind: int(n) for kind, n in budget.items()}
 
@@ -256,112 +253,3 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
       " jax.ShapeDtypeStruct), and keep Python-side work on values out of the step."
     ) from e
   return StepReport.from_compiled(compiled)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCheck:
-  """The result of :func:`check_step`; ``str(check)`` is a table of the leaves.
-
-  Attributes:
-    ok: whether every leaf's ``max_rel`` is within ``rtol`` (and finite).
-    rtol: the tolerance used.
-    scale: the largest entry of the reference update ``|p_ref - p|``.
-    max_abs: ``{leaf path: max |p_step - p_ref|}``.
-    max_rel: ``{leaf path: max_abs / scale}``.
-  """
-
-  ok: bool
-  rtol: float
-  scale: float
-  max_abs: dict[str, float]
-  max_rel: dict[str, float]
-
-  def __str__(self) -> str:
-    verdict = "equivalent" if self.ok else "NOT equivalent"
-    rows = [f"One window of the step vs the single-device whole-batch update: {verdict}"
-            f" (rtol={self.rtol:g} of the largest reference update, {self.scale:.3g})"]  # fmt: skip
-    for leaf, rel in self.max_rel.items():
-      flag = "" if rel <= self.rtol else "  <- differs"
-      rows.append(f"  {leaf:<40} max abs {self.max_abs[leaf]:.3e}  relative {rel:.3e}{flag}")
-    return "\n".join(rows)
-
-
-def check_step(
-  step: Callable[..., Any], loss_fn: Callable[..., Any], inner_tx: optax.GradientTransformation,
-  params: Any, opt_state: Any, batch: Any, *, has_aux: bool = False, inner_state: Any = None,
-  rtol: float = 1e-4,
-) -> StepCheck:  # fmt: skip
-  """Runs one window of a built step on copies of its arguments and compares the new params with
-  the single-device whole-batch update by the same inner optimizer.
-
-  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one device.
-  Check gradient scales with SGD: Adam's first update is about ``lr * sign(g)`` (docs/verifying.md).
-
-  Args:
-    step: ``step(params, opt_state, batch)`` returning ``(new_params, ...)``: a ``ga`` step (a
-      window per call) or your own jitted step.
-    loss_fn: ``loss_fn(params, batch)``, the whole batch's mean loss (``(loss, aux)`` with
-      ``has_aux``); deterministic.
-    inner_tx: the optimizer the step applies (the one inside ``ga.accumulate``).
-    params, opt_state, batch: the step's arguments (not modified nor donated).
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    inner_state: the reference's optimizer state; default: ``opt_state.inner_state`` of a ``ga``
-      state, else ``inner_tx.init(params)``.
-    rtol: the tolerance of ``ok``.
-
-  Returns:
-    A :class:`StepCheck`; print it for the leaves.
-
-  Raises:
-    TypeError, ValueError: for a bad argument, or new params unlike ``params``.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, gradaccum_jax as ga
-    >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
-    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.ones(8)}
-    >>> tx, w = ga.accumulate(optax.sgd(0.1), 4), jnp.zeros(3)
-    >>> step = ga.train_step(loss, tx)
-    >>> result = ga.check_step(step, loss, optax.sgd(0.1), w, tx.init(w), batch)
-    >>> isinstance(result, ga.StepCheck), result.ok
-    (True, True)
-  """
-  for name, fn in (("step", step), ("loss_fn", loss_fn)):
-    if not callable(fn):
-      raise TypeError(f"{name} must be a function, got {fn!r}.")
-  if isinstance(inner_tx, Accumulate):
-    raise TypeError(
-      "inner_tx is the ga.accumulate transformation; pass the optimizer inside it, which the"
-      " reference applies once to the whole batch: inner_tx=tx.inner (e.g. optax.sgd(0.1))."
-    )
-  if not isinstance(inner_tx, optax.GradientTransformation):
-    raise TypeError(f"inner_tx must be an optax transformation (e.g. optax.sgd), got {inner_tx!r}.")
-  if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not rtol > 0:
-    raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
-  if inner_state is None and isinstance(opt_state, AccumulateState | MicroStepState):
-    inner_state = opt_state.inner_state
-  # Host copies first: the step may donate its arguments.
-  host = jax.tree.map(np.asarray, (params, batch, inner_state))
-  copy = lambda x: x.copy() if isinstance(x, jax.Array) else x  # noqa: E731
-  out = step(*jax.tree.map(copy, (params, opt_state, batch)))
-  new = jax.tree.map(np.asarray, out[0] if isinstance(out, tuple | list) else out)
-  p0, b, s0 = jax.device_put(host, jax.devices()[0])  # the single-device whole batch
-
-  @jax.jit
-  def reference(p, s, b):
-    grads = jax.grad(loss_fn, has_aux=has_aux)(p, b)
-    updates, _ = inner_tx.update(grads[0] if has_aux else grads, s, p)
-    return optax.apply_updates(p, updates)
-
-  ref = jax.tree.map(np.asarray, reference(p0, inner_tx.init(p0) if s0 is None else s0, b))
-  if jax.tree.structure(new) != jax.tree.structure(ref):
-    raise ValueError(
-      f"The step's new params have the structure {jax.tree.structure(new)}, the params"
-      f" {jax.tree.structure(ref)}: step must return (new_params, ...)."
-    )
-  diff = lambda a, b: float(np.max(np.abs(np.float64(a) - b), initial=0))  # noqa: E731
-  scale = max(map(diff, jax.tree.leaves(ref), jax.tree.leaves(host[0])), default=0.0)
-  paths = [jax.tree_util.keystr(path) or "params" for path, _ in jax.tree.leaves_with_path(ref)]
-  max_abs = dict(zip(paths, map(diff, jax.tree.leaves(new), jax.tree.leaves(ref)), strict=True))
-  max_rel = {p: a / scale if scale > 0 else (0.0 if a == 0 else np.inf) for p, a in max_abs.items()}
-  ok = all(np.isfinite(v) and v <= rtol for v in max_rel.values())
-  return StepCheck(bool(ok), float(rtol), scale, max_abs, max_rel)

@@ -9,6 +9,8 @@ from typing import Any
 
 import optax
 
+from gradaccum_jax._checks import check_int
+
 _RULES = {"linear": lambda kappa: kappa, "sqrt": math.sqrt, "none": lambda kappa: 1.0}
 _WARMUP_FROM = {"base": 1.0, "zero": 0.0}  # the multiplier the warmup starts from
 
@@ -16,9 +18,7 @@ _WARMUP_FROM = {"base": 1.0, "zero": 0.0}  # the multiplier the warmup starts fr
 def _kappa(base_batch_size: Any, batch_size: Any) -> float:
   """``batch_size / base_batch_size``, after checking both are positive ints."""
   for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-      raise TypeError(f"{name}={value!r} must be a positive int (a number of examples).")
-    if operator.index(value) <= 0:
+    if check_int(value, f"{name}={value!r} must be a positive int (a number of examples).") <= 0:
       raise ValueError(f"{name}={value} must be a positive int (a number of examples).")
   return operator.index(batch_size) / operator.index(base_batch_size)
 
@@ -70,9 +70,7 @@ def scale_learning_rate(
   kappa = _kappa(base_batch_size, batch_size)
   if rule not in _RULES:
     raise ValueError(f"rule={rule!r} is not a scaling rule; use one of {', '.join(_RULES)}.")
-  if isinstance(warmup_steps, bool) or not hasattr(warmup_steps, "__index__"):
-    raise TypeError(f"warmup_steps={warmup_steps!r} must be an int >= 0 (optimizer steps).")
-  if operator.index(warmup_steps) < 0:
+  if check_int(warmup_steps, f"{warmup_steps=} must be an int >= 0 (optimizer steps).") < 0:
     raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 (0 for no warmup).")
   if warmup_from not in _WARMUP_FROM:
     raise ValueError(f"warmup_from={warmup_from!r} must be one of {', '.join(_WARMUP_FROM)}.")

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from gradaccum_jax._checks import check_real
 
 
 def compiled_bytes(analysis: Any) -> int:
@@ -33,9 +34,9 @@ def memory_analysis(compiled: Any, what: str) -> Any:
 
 def check_budget(budget: Any, where: str) -> None:
   """``memory_budget_bytes``, checked: a number of bytes > 0."""
-  if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
-    raise TypeError(f"{where}: memory_budget_bytes={budget!r} must be a number of bytes.")
-  if not budget > 0:
+  if (
+    not check_real(budget, f"{where}: memory_budget_bytes={budget!r} must be a number of bytes") > 0
+  ):
     raise ValueError(f"{where}: memory_budget_bytes={budget!r} must be > 0.")
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._accumulate import (
   MEAN_GRADIENT,
@@ -18,6 +17,7 @@ from gradaccum_jax._accumulate import (
   MicroStepState,
   as_accumulate,
   slot_totals,
+  window_metrics,
   zeros_like_output,
 )
 from gradaccum_jax._checks import (
@@ -29,44 +29,8 @@ from gradaccum_jax._checks import (
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Sums, keep_if_voided, safe_mean, sum_dtype
-from gradaccum_jax._sharding import (
-  DataParallel,
-  leaf_plans,
-  off_data,
-  place,
-  place_params,
-  reduce_over_data,
-  reduce_state,
-  shard_map_over_data,
-)
-
-_REPLICATED = P()
-
-
-class _Layout:
-  """Where the partial sums live: one slot per data-parallel device with a mesh, else none."""
-
-  def __init__(self, dp: DataParallel | None):
-    self.dp = dp
-    self.devices = 1 if dp is None else dp.size
-
-  def spec(self, like_spec: P = _REPLICATED) -> P:
-    """The spec of a per-device leaf: the device axis over the data axes, then ``like_spec``."""
-    return P(self.dp.batch_spec[0], *like_spec)
-
-  def slots(self, tree: Any) -> Any:
-    """``spec()`` for every leaf: a shard_map manual over the data axes (model axes stay GSPMD's)."""
-    return jax.tree.map(lambda _: self.spec(), tree)
-
-  def first_slot(self, x: jax.Array, spec: P = _REPLICATED) -> jax.Array:
-    """``x`` in the first of ``D`` slots (the others zero), placed as the slots are."""
-    sharding = NamedSharding(self.dp.mesh, self.spec(spec))
-    x = place(jnp.asarray(x), self.dp.mesh, spec)  # gathered over the data axes
-    zeros = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x), device=sharding)
-    if any(t == AxisType.Explicit for t in self.dp.mesh.axis_types):  # a typed sharding
-      return zeros.at[0].set(x, out_sharding=sharding)
-    return place(zeros.at[0].set(x), self.dp.mesh, self.spec(spec))
+from gradaccum_jax._parts import Sums, keep_if_voided, sum_dtype, window_means
+from gradaccum_jax._sharding import Slots, place_params
 
 
 def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> tuple[Sums, Any]:
@@ -92,6 +56,59 @@ def _merged(own: tuple[Sums, Any], new: tuple[Sums, Any]) -> tuple[Sums, Any]:
   return own[0].merged(new[0]), noise
 
 
+class MicroStepLayout:
+  """How a :class:`MicroStep` lays out its state: any mode's state checked and moved into it
+  (on a mesh, the sums in device slots: ``_sharding.Slots``), the aux sums made."""
+
+  def __init__(self, acc: Any, opts: Options, slots: Slots):
+    self._acc, self._loss, self.slots = acc, opts.loss, slots
+
+  def check(self, state: Any) -> MicroStepState:
+    if isinstance(state, AccumulateState):
+      state = MicroStepState(state, jnp.zeros((), jnp.float32))
+    if not isinstance(state, MicroStepState):
+      raise TypeError(
+        "state must be tx.init(params), step.init(params) or the state a ga step returned,"
+        f" got {type(state).__name__}."
+      )
+    self._acc.check_state(state.accumulate)
+    return state
+
+  def place(self, state, params, microbatch, model_state, rng) -> MicroStepState:
+    """``state`` (any mode's, from any mesh) in this layout: saved device slots totalled into
+    the first slot, the aux sums made (as zeros) where the state has none."""
+    state = self.check(state)
+    if self._loss.has_aux and state.aux_sum is None:
+      key = None if rng is None else jax.random.key(0)
+      _, aux, _ = jax.eval_shape(self._loss.call, params, model_state, microbatch, key)
+      state = state._replace(aux_sum=jax.tree.map(lambda a: jnp.zeros(a.shape, sum_dtype(a)), aux))
+    weight = state.accumulate.acc_weight
+    slots = jnp.shape(weight)[0] if jnp.ndim(weight) else None
+    if slots == (None if self.slots.dp is None else self.slots.devices):
+      return state
+    sums, noise = _partials(slot_totals(state), state.loss_sum, state.aux_sum)
+    if slots is not None:  # the loss and aux sums (the others are totalled)
+      loss, aux = jax.tree.map(lambda x: jnp.sum(x, 0), (sums.loss, sums.aux))
+      sums = sums._replace(loss=loss, aux=aux)
+    return _with_partials(state, *self.slots.first(sums, noise, params))
+
+  def convert(self, state: Any, like: MicroStepState) -> MicroStepState:
+    """``state`` in the layout of ``like`` (:meth:`MicroStep.convert_state`)."""
+    state = self.check(state)
+    saved, mine = (jax.tree.structure(slot_totals(t).acc_grads) for t in (state, like))
+    if saved != mine:
+      raise ValueError(
+        "convert_state: the saved state's accumulator does not match this step's:\n"
+        f"  saved: {saved}\n  this step: {mine}"
+      )
+    if (state.accumulate.noise_scale is None) != (like.accumulate.noise_scale is None):
+      raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
+    if state.aux_sum is None and like.aux_sum is not None:  # zeros, shaped as one slot
+      one = like.aux_sum if self.slots.dp is None else jax.tree.map(lambda x: x[0], like.aux_sum)
+      state = state._replace(aux_sum=jax.tree.map(jnp.zeros_like, one))
+    return self.place(state, slot_totals(like).acc_grads, None, None, None)
+
+
 class MicroStep:
   """What :func:`micro_step` returns: call it once per micro-batch; ``init`` makes its state.
 
@@ -104,7 +121,8 @@ class MicroStep:
     dp = opts.parallel
     if dp is not None:  # now for a narrow accum_dtype; at trace time for narrow params' (None)
       check_accumulator_on_mesh(self._acc.accum_dtype, opts.where)
-    self._layout = _Layout(dp)
+    self._slots = Slots(dp)
+    self._layout = MicroStepLayout(self._acc, opts, self._slots)
     self.mesh = None if dp is None else dp.mesh
     self.data_axis = None if dp is None else dp.axes
     self.has_state = opts.has_state
@@ -128,7 +146,7 @@ class MicroStep:
         "micro_step(..., has_aux=True): pass a micro-batch to init, step.init(params,"
         " microbatch) (ShapeDtypeStructs will do), so the aux sums get their shapes."
       )
-    state = self._in_layout(self._acc.init(params), params, microbatch, model_state, rng)
+    state = self._layout.place(self._acc.init(params), params, microbatch, model_state, rng)
     if self.has_state and model_state is not None:
       state = state._replace(window_start=jax.tree.map(jnp.copy, model_state))
     return state
@@ -136,60 +154,14 @@ class MicroStep:
   def to_accumulate_state(self, state: MicroStepState) -> AccumulateState:
     """The state as ``tx.init`` lays it out: the device slots summed (the open window's loss
     and aux sums dropped), as ``tx.update``, :func:`train_step` and :func:`flush` take it."""
-    return slot_totals(self._check(state))
+    return slot_totals(self._layout.check(state))
 
   def convert_state(self, state: Any, like: MicroStepState) -> MicroStepState:
     """``state`` (any mode's, from any mesh or none) in the layout of ``like``
     (``step.init(params)``), as the step's first call would move it: the saved slots totalled
     into the first slot (exact). Without loss sums (an :class:`AccumulateState`), the
     window's ``value=`` and ``"loss"`` count only the micro-batches after it."""
-    state = self._check(state)
-    saved, mine = (jax.tree.structure(slot_totals(t).acc_grads) for t in (state, like))
-    if saved != mine:
-      raise ValueError(
-        "convert_state: the saved state's accumulator does not match this step's:\n"
-        f"  saved: {saved}\n  this step: {mine}"
-      )
-    if (state.accumulate.noise_scale is None) != (like.accumulate.noise_scale is None):
-      raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
-    if state.aux_sum is None and like.aux_sum is not None:  # zeros, shaped as one slot
-      one = like.aux_sum if self._layout.dp is None else jax.tree.map(lambda x: x[0], like.aux_sum)
-      state = state._replace(aux_sum=jax.tree.map(jnp.zeros_like, one))
-    return self._in_layout(state, slot_totals(like).acc_grads, None, None, None)
-
-  def _check(self, state: Any) -> MicroStepState:
-    if isinstance(state, AccumulateState):
-      state = MicroStepState(state, jnp.zeros((), jnp.float32))
-    if not isinstance(state, MicroStepState):
-      raise TypeError(
-        "state must be tx.init(params), step.init(params) or the state a ga step returned,"
-        f" got {type(state).__name__}."
-      )
-    self._acc.check_state(state.accumulate)
-    return state
-
-  def _in_layout(self, state, params, microbatch, model_state, rng) -> MicroStepState:
-    """``state`` (any mode's, from any mesh) in this step's layout: saved device slots
-    totalled into the first slot, the aux sums made (as zeros) where the state has none."""
-    state, lay = self._check(state), self._layout
-    if self._opts.loss.has_aux and state.aux_sum is None:
-      key = None if rng is None else jax.random.key(0)
-      _, aux, _ = jax.eval_shape(self._opts.loss.call, params, model_state, microbatch, key)
-      state = state._replace(aux_sum=jax.tree.map(lambda a: jnp.zeros(a.shape, sum_dtype(a)), aux))
-    weight = state.accumulate.acc_weight
-    slots = jnp.shape(weight)[0] if jnp.ndim(weight) else None
-    if slots == (None if lay.dp is None else lay.devices):
-      return state
-    sums, noise = _partials(slot_totals(state), state.loss_sum, state.aux_sum)
-    if slots is not None:  # the loss and aux sums (the others are totalled)
-      loss, aux = jax.tree.map(lambda x: jnp.sum(x, 0), (sums.loss, sums.aux))
-      sums = sums._replace(loss=loss, aux=aux)
-    if lay.dp is not None:
-      pairs = zip(jax.tree.leaves(sums.grads), leaf_plans(lay.dp, params), strict=True)
-      grads = [lay.first_slot(g, p.model_spec) for g, p in pairs]
-      rest, noise = jax.tree.map(lay.first_slot, (sums._replace(grads=()), noise))
-      sums = rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads))
-    return _with_partials(state, sums, noise)
+    return self._layout.convert(state, like)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self._fn(*args, **kwargs)
@@ -207,27 +179,19 @@ class MicroStep:
 
   def _step(self, params, model_state, state, microbatch, rng):
     check_trainable(params, where="micro_step")
-    state = self._in_layout(state, params, microbatch, model_state, rng)
-    acc_state = state.accumulate
-    rows = check_batch(microbatch, 1)
-    lay = self._layout
-    if lay.dp is not None:
+    state = self._layout.place(state, params, microbatch, model_state, rng)
+    acc_state, slots = state.accumulate, self._slots
+    slots.check_rows(check_batch(microbatch, 1))
+    if self.mesh is not None:
       check_accumulator_on_mesh(acc_state.acc_grads, "micro_step")
-    if rows % lay.devices:
-      dp = lay.dp
-      raise ValueError(
-        f"micro_step: the micro-batch has {rows} rows, not divisible by the {dp.size} devices"
-        f" on the data axes {dp.axes} (mesh {dict(dp.mesh.shape)}): every device takes"
-        f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
-      )
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
     if self.has_state:  # the model state a voided window restores: as the window found it
       saved = model_state if state.window_start is None else state.window_start
       start = keep_if_voided(acc_state.micro_step == 0, model_state, saved)  # its float leaves
       state = state._replace(window_start=start)
-    local = self._local if lay.dp is None else self._local_on_mesh
-    own = _partials(state)
-    new, new_model_state = local(params, microbatch, rng, own, model_state, scale)
+    own, like = _partials(state), {}
+    local = functools.partial(self._local, like)
+    new, new_model_state = slots.local(local, params, microbatch, rng, own, model_state, scale)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
     state = _with_partials(state, *_merged(own, new))
@@ -238,10 +202,12 @@ class MicroStep:
     # Donated, the closing branch writes the new params over the old ones (the plain step's
     # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
     # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
-    in_place = self._in_place
+    in_place, has_aux = self._in_place, self._opts.loss.has_aux
+    mode = "cond_apply" if in_place else "cond"
 
     def close(params, new_model_state, state):
-      return (jnp.ones((), bool), *self._close(params, new_model_state, state))
+      args = (params, new_model_state, state, like["like"])
+      return jnp.ones((), bool), *_close_window(self._acc, slots, mode, has_aux, *args)
 
     def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
       closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
@@ -255,108 +221,42 @@ class MicroStep:
       emit, close, hold, params, new_model_state, state
     )
     empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), _partials(state))
-    new_params = place_params(lay.dp, out if in_place else optax.apply_updates(params, out))
+    new_params = place_params(slots.dp, out if in_place else optax.apply_updates(params, out))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
     # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
     acc_state = state.accumulate
     metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
     return new_params, new_model_state, _with_partials(state, *empty), metrics
 
-  def _local(self, params, mb, rng, own, model_state, scale, axes=()):
-    """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model state."""
+  def _local(self, like, params, mb, rng, own, model_state, scale, axes):
+    """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model
+    state; ``like["like"]``: one micro-batch's loss and aux."""
     zeros = jax.tree.map(jnp.zeros_like, own[0].grads)
     w = self._mg.local_sums(params, mb, rng, zeros, model_state, scale, None, axes)
+    like["like"] = (w.loss_like, w.aux_like)
     # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
-    devices = self._layout.devices
-    return self._opts.weighting.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
+    devices = self._slots.devices
+    return self._mg.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
 
-  def _local_on_mesh(self, params, mb, rng, own, model_state, scale):
-    """Every device's sums of its rows, in its own slot, with no gradient collective."""
-    dp, lay = self._layout.dp, self._layout
-    axes, mesh = dp.axes, dp.mesh
-    plans = leaf_plans(dp, params)
-    treedef = jax.tree.structure(params)
-    # Data-sharded params are gathered over the data axes by GSPMD before the shard_map.
-    params = treedef.unflatten(
-      [place(x, mesh, p.model_spec) for x, p in zip(jax.tree.leaves(params), plans, strict=True)]
-    )
-    own_specs = lay.slots(own)
 
-    def per_device(params, mb, rng, own, model_state, scale):
-      if rng is not None:
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-      own = jax.tree.map(lambda x: x[0], own)
-      new, new_model_state = self._local(params, mb, rng, own, model_state, scale, axes)
-      return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
-
-    args = (params, mb, rng, own, model_state, scale)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-      slot, (partial, noise) = lay.spec(), own
-      grad_specs = treedef.unflatten([lay.spec(p.model_spec) for p in plans])  # and model axes
-      specs = (Sums(grad_specs, slot, slot, lay.slots(partial.aux)), lay.slots(noise))
-      args = (
-        params,
-        jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), mb),
-        rng,
-        jax.tree.map(lambda x, s: place(x, mesh, s), own, specs),
-        # Replicated over the data axes only: state sharded over a model axis keeps it.
-        *(
-          jax.tree.map(lambda x: place(x, mesh, off_data(x, axes)), a) for a in (model_state, scale)
-        ),
-      )
-    add = shard_map_over_data(
-      per_device,
-      dp,
-      in_specs=(P(), dp.batch_spec, P(), own_specs, P(), P()),
-      out_specs=(own_specs, P()),
-    )
-    return add(*args)
-
-  def _reduce(self, params, own) -> tuple[Sums, Any]:
-    """The window's sums: the device slots reduced (one all-reduce, reduce-scatters for
-    data-sharded params), inside the closing branch only."""
-    dp, lay = self._layout.dp, self._layout
-    if dp is None:
-      return own
-    plans = leaf_plans(dp, params)
-    treedef = jax.tree.structure(params)
-    out_grads = treedef.unflatten([p.manual for p in plans])
-
-    def per_device(partial, noise):
-      partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
-      grads, (rest, noise) = reduce_over_data(
-        plans, jax.tree.leaves(partial.grads), (partial._replace(grads=()), noise), dp.axes, False
-      )
-      return rest._replace(grads=treedef.unflatten(grads)), noise
-
-    reduce = shard_map_over_data(
-      per_device,
-      dp,
-      in_specs=lay.slots(own),
-      out_specs=(Sums(out_grads, P(), P(), jax.tree.map(lambda _: P(), own[0].aux)), P()),
-    )
-    return reduce(*own)
-
-  def _close(self, params, new_model_state, state):
-    """The call that closes the window: reduce, one inner update (donated: applied), empty slots."""
-    own = _partials(state)
-    totals, total_noise = self._reduce(params, own)
-    acc_state = state.accumulate
-    acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
-    loss = safe_mean(totals.loss, totals.weight)
-    aux = jax.tree.map(lambda a: safe_mean(a, totals.weight) if is_inexact(a) else a, totals.aux)
-    extra = {"value": loss, "grad": MEAN_GRADIENT}
-    out, new_acc, grad_norm = self._acc.close(
-      totals.grads, totals.weight, acc_state, params, params, extra, self._in_place, branch=True
-    )
-    # The partial sums as they were: the caller clears them after its lax.cond.
-    new_state = _with_partials(state._replace(accumulate=new_acc), *own)
-    metrics = dict(loss=loss, grad_norm=grad_norm, weight=totals.weight)
-    if self._opts.loss.has_aux:
-      metrics["aux"] = aux
-    if self.has_state:  # a voided window restores float state as the window found it
-      new_model_state = keep_if_voided(new_acc.updated, new_model_state, state.window_start)
-    return out, new_model_state, new_state, metrics
+def _close_window(acc, slots, mode, has_aux, params, new_model_state, state, like):
+  """The call that closes the window: the slots reduced, one inner update of ``acc``
+  (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics; ``like``:
+  one micro-batch's loss and aux (for the means' dtypes)."""
+  own = _partials(state)
+  totals, total_noise = slots.reduce(params, own)
+  acc_state = state.accumulate
+  acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
+  loss, aux = window_means(totals, *like)
+  extra = {"value": loss, "grad": MEAN_GRADIENT}
+  closed = acc.close(totals.grads, totals.weight, acc_state, params, params, extra, mode)
+  # The partial sums as they were: the caller clears them after its lax.cond.
+  new_state = _with_partials(state._replace(accumulate=closed.state), *own)
+  scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
+  metrics = window_metrics(closed, loss, aux, totals.weight, has_aux, scale)
+  if state.window_start is not None:  # a voided window restores float state as it found it
+    new_model_state = keep_if_voided(closed.state.updated, new_model_state, state.window_start)
+  return closed.out, new_model_state, new_state, metrics
 
 
 def micro_step(

@@ -9,16 +9,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._accumulate import zeros_accumulator
 from gradaccum_jax._checks import (
   check_accumulator_on_mesh,
   check_batch,
   check_num_microbatches,
   check_real_microbatches,
   check_trainable,
-  is_inexact,
 )
-from gradaccum_jax._model_state import ModelStatePlan
+from gradaccum_jax._model_state import ModelStateUnit
 from gradaccum_jax._noise import NoiseSums, NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
@@ -27,7 +25,8 @@ from gradaccum_jax._parts import (
   Sums,
   SumsUnit,
   mean_of,
-  safe_mean,
+  window_means,
+  zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
 
@@ -86,15 +85,8 @@ class Window(NamedTuple):
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
 
   def means(self) -> tuple[jax.Array, Any]:
-    """The weighted mean loss and aux, in the dtypes ``loss_fn`` returned (integer aux: sums)."""
-    w = self.sums.weight
-    loss = safe_mean(self.sums.loss, w).astype(self.loss_like.dtype)
-    aux = jax.tree.map(
-      lambda a, like: safe_mean(a, w).astype(like.dtype) if is_inexact(like) else a,
-      self.sums.aux,
-      self.aux_like,
-    )
-    return loss, aux
+    """The weighted mean loss and aux (:func:`window_means`)."""
+    return window_means(self.sums, self.loss_like, self.aux_like)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +120,19 @@ class MicrobatchedGrad:
       return self.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
     check_accumulator_on_mesh(acc_init, self.options.where)
     return over_mesh(
-      dp, self.local_sums, self.options.weighting, self.num_microbatches,
-      params, batch, rng, acc_init, model_state, scale, num_real, in_buffer,
-    )  # fmt: skip
+      dp, self, params, batch, rng, acc_init, model_state, scale, num_real, in_buffer
+    )
+
+  def _noise_unit(self) -> NoiseUnit | Off:
+    return NoiseUnit(self.options.weighting) if self.noise_sums else Off()
+
+  def per_device(self, sums: Sums, noise: Any, devices: int, num: Any) -> tuple[Sums, Any]:
+    """The window's sums and noise sums after the sum over ``devices``: each unit's share."""
+    sums = SumsUnit(self.options.weighting).per_device(sums, devices, num)
+    return sums, self._noise_unit().per_device(noise, devices, num)
+
+  def seed_factor(self, devices: int) -> int:
+    return SumsUnit(self.options.weighting).seed_factor(devices)
 
   def local_sums(
     self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
@@ -146,11 +148,10 @@ class MicrobatchedGrad:
     sums_unit = SumsUnit(opts.weighting)
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
-    noise_unit = NoiseUnit(opts.weighting) if self.noise_sums else Off()
-    model_unit = Off()
+    model_unit = Off(None)
     if opts.has_state:
-      model_unit = ModelStatePlan.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
-    units = (sums_unit, noise_unit, model_unit)
+      model_unit = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
+    units = (sums_unit, self._noise_unit(), model_unit)
 
     def one(i, start):
       mb = microbatch(batch, i, k)
@@ -165,9 +166,7 @@ class MicrobatchedGrad:
       m = one(i, model_unit.start(c.model))
       return Carry(*(unit.update(part, m) for unit, part in zip(units, c, strict=True))), None
 
-    init = Carry(
-      sums_unit.init(acc_init, like.loss, like.aux), noise_unit.init(), model_unit.init()
-    )
+    init = Carry(*(unit.init(acc_init, like) for unit in units))
     if vary:
       init = to_varying(init, vary)
     num = k if num_real is None else num_real
@@ -175,10 +174,9 @@ class MicrobatchedGrad:
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
-    noise = c.noise
-    if isinstance(noise, NoiseSums) and not opts.weighting.weighted:
-      noise = noise._replace(examples=jnp.asarray(num * rows, jnp.float32))  # b rows each
-    sums, state = sums_unit.finish(c.sums, num), model_unit.finish(c.model, num)
+    sums, noise, state = (
+      unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True)
+    )
     return Window(sums, noise, state, like.loss, like.aux, num)
 
 

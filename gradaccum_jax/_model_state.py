@@ -64,8 +64,9 @@ class ModelCarry(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelStatePlan:
-  """The scan's unit for the model state: how it flows through the micro-batches of a window.
+class ModelStateUnit:
+  """The scan's unit for the model state (protocol: ``_parts``): how it flows through the
+  micro-batches of a window.
 
   ``sequential``: threaded through them (k running-average updates: ghost batch norm).
   ``frozen``: the BatchNorm statistics are the same for every micro-batch and left unchanged.
@@ -79,7 +80,7 @@ class ModelStatePlan:
   initial: Any  # the model state the window starts from
 
   @classmethod
-  def make(cls, model_state: Any, mode: str, momentum: float | None) -> ModelStatePlan:
+  def make(cls, model_state: Any, mode: str, momentum: float | None) -> ModelStateUnit:
     kinds = tuple(batchnorm_leaves(model_state))
     if mode != "sequential" and not any(kinds):
       raise ValueError(
@@ -95,7 +96,7 @@ class ModelStatePlan:
     )
     return cls(mode, momentum, kinds, var_to_mean, model_state)
 
-  def init(self) -> ModelCarry:
+  def init(self, acc_init: Any = None, like: Any = None) -> ModelCarry:
     """per_window's stats: (sum of new values, sum of squared shifts) per BatchNorm leaf."""
     if self.mode != "per_window":
       return ModelCarry(self.initial, None)
@@ -126,7 +127,7 @@ class ModelStatePlan:
     stats = [None if st is None else one(st, n[i], s[i]) for i, st in enumerate(c.stats)]
     return ModelCarry(m.model_state, stats)
 
-  def finish(self, c: ModelCarry, num: Any) -> Any:
+  def finalize(self, c: ModelCarry, num: Any, rows: int = 0) -> Any:
     """The model state after the window of ``num`` micro-batches."""
     if self.mode != "per_window":
       return self.start(c)
@@ -147,6 +148,10 @@ class ModelStatePlan:
         mean_new = mean_new + var_of_new_means / (1.0 - self.momentum)
       out[i] = mean_new.astype(jnp.result_type(s[i]))
     return treedef.unflatten(out)
+
+  def per_device(self, state: Any, devices: int, num: Any) -> Any:
+    """Reduced over the devices by ``_sharding.reduce_state`` (statistics averaged)."""
+    return state
 
 
 def check_state_like(new_state: Any, model_state: Any) -> None:

@@ -74,7 +74,10 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   if not jit:
     return step
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
-  k = lambda a: as_accumulate(a[1].tx).fixed_num_microbatches("nnx_train_step")  # noqa: E731
+
+  def k(args):
+    return as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step")
+
   return JitStep(jitted, k, calls_compiled=False)  # nnx.jit's lower takes other arguments
 
 
@@ -140,5 +143,8 @@ def nnx_train_step(
   )  # fmt: skip
   if gather_params != "auto":
     return _nnx_step(nnx, opts, donate, jit)
-  build = lambda g: _nnx_step(nnx, opts.with_gather(g), donate, True)  # noqa: E731
+
+  def build(gather):
+    return _nnx_step(nnx, opts.with_gather(gather), donate, True)
+
   return auto_gather(build, opts.parallel.budget, jit, "nnx_train_step")

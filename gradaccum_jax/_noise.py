@@ -80,15 +80,25 @@ def add_window(ns: Any, sums: NoiseSums) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class NoiseUnit:
-  """The scan's unit for the noise sums (unweighted, the caller sets ``examples``)."""
+  """The scan's unit for the noise sums (protocol: ``_parts``)."""
 
   weighting: Weighting
 
-  def init(self) -> NoiseSums:
+  def init(self, acc_init: Any, like: Micro) -> NoiseSums:
     return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
 
   def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
     return add_noise(n, sq_norm(m.grads), m.weight if self.weighting.weighted else None)
+
+  def finalize(self, n: NoiseSums, num: Any, rows: int) -> NoiseSums:
+    """Unweighted, the examples are the ``num`` micro-batches' ``rows``."""
+    if self.weighting.weighted:
+      return n
+    return n._replace(examples=jnp.asarray(num * rows, jnp.float32))
+
+  def per_device(self, n: NoiseSums, devices: int, num: Any) -> NoiseSums:
+    """Unweighted, a device's micro-batch weighs ``1 / devices`` (``SumsUnit.per_device``)."""
+    return n if self.weighting.weighted else n._replace(sq_sum=n.sq_sum / devices)
 
 
 def estimates(
@@ -112,17 +122,22 @@ def estimates(
 
 def after_window(
   ns: NoiseScaleState | None, decay: Any, acc_grads: Any, acc_weight: Any, ok: Any, scale: Any
-) -> NoiseScaleState | None:
-  """The state after a window: EMAs moved if it was applied and estimable, sums emptied."""
+) -> tuple[NoiseScaleState | None, tuple[jax.Array, jax.Array] | tuple[()]]:
+  """The state after a window (EMAs moved if it was applied and estimable, sums emptied) and
+  its estimates (:func:`estimates`; ``()`` without the noise scale)."""
   if ns is None:
-    return None
+    return None, ()
   g2, trace = estimates(acc_grads, acc_weight, ns, scale)
   use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
-  ema = lambda old, new: jnp.where(use, decay * old + (1 - decay) * new, old)  # noqa: E731
+
+  def ema(old, new):
+    return jnp.where(use, decay * old + (1 - decay) * new, old)
+
   count = jnp.where(use, optax.safe_increment(ns.count), ns.count)
-  return init_state()._replace(
+  new = init_state()._replace(
     g2_ema=ema(ns.g2_ema, g2), trace_ema=ema(ns.trace_ema, trace), count=count
   )
+  return new, (g2, trace)
 
 
 def noise_scale(state: Any) -> jax.Array:

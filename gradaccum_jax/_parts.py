@@ -1,7 +1,10 @@
 """The parts of a window's sums: one small unit per feature, composed by the micro-batch scan.
 
-As in ``optax.microbatching``, a unit has an ``init`` (its part of the carry) and an ``update``
-(add one micro-batch); a feature that is off is the :class:`Off` unit, whose carry is ``()``."""
+Every unit answers optax.microbatching's questions: ``init(acc_init, like)`` (its part of the
+carry; ``like``: one micro-batch's :class:`Micro`, abstract), ``update(part, micro)`` (add one
+micro-batch), ``finalize(part, num, rows)`` (after ``num`` micro-batches of ``rows`` rows) and
+``per_device(part, devices, num)`` (after the sum over ``devices``, on a mesh); a feature that
+is off is the :class:`Off` unit, whose carry is ``()``."""
 
 from __future__ import annotations
 
@@ -47,9 +50,33 @@ def sum_dtype(like: Any) -> Any:
   return jnp.promote_types(jnp.result_type(like), floor)
 
 
+def zeros_accumulator(params: Any, accum_dtype: Any) -> Any:
+  """Zeros like ``params`` (shapes and shardings, as optax's own state), in ``accum_dtype``'s
+  precision (complex for a complex leaf; the params' dtypes if None)."""
+
+  def zeros(p):
+    dtype = jnp.result_type(p)
+    if accum_dtype is not None:
+      complex_leaf = jnp.issubdtype(dtype, jnp.complexfloating)
+      dtype = jnp.promote_types(accum_dtype, jnp.complex64) if complex_leaf else accum_dtype
+    return jnp.zeros_like(p, dtype)
+
+  return jax.tree.map(zeros, params)
+
+
 def keeps_running_means(acc: Any) -> bool:
   """Whether any leaf of the accumulator ``acc`` keeps a running mean (:func:`is_running_mean`)."""
   return any(map(is_running_mean, jax.tree.leaves(acc)))
+
+
+def window_means(sums: Sums, loss_like: Any, aux_like: Any) -> tuple[jax.Array, Any]:
+  """The window's weighted mean loss and aux, in the dtypes ``loss_fn`` returned (``*_like``:
+  one micro-batch's); integer aux leaves are sums."""
+
+  def mean(total, like):
+    return safe_mean(total, sums.weight).astype(like.dtype) if is_inexact(like) else total
+
+  return mean(sums.loss, loss_like), jax.tree.map(mean, sums.aux, aux_like)
 
 
 def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
@@ -160,22 +187,6 @@ class Weighting:
     (a non-finite total voids the window)."""
     return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
 
-  def seed_factor(self, devices: int) -> int:
-    """What an open window's sums are multiplied by when one device adds them into its share:
-    unweighted ``devices``, as :meth:`per_device` divides by it (exact for a power of two)."""
-    return 1 if self.weighted else devices
-
-  def per_device(self, sums: Sums, noise: Any, devices: int, num: int) -> tuple[Sums, Any]:
-    """After the sum over devices: unweighted, a device's micro-batch weighs ``1 / devices``,
-    so global micro-batch ``i`` weighs 1, as on one device, and the total weight is ``num``."""
-    if self.weighted:
-      return sums, noise
-    scale = lambda tree: jax.tree.map(lambda x: x / devices if is_inexact(x) else x, tree)  # noqa: E731
-    sums = Sums(scale(sums.grads), jnp.asarray(num, jnp.float32), scale(sums.loss), scale(sums.aux))
-    if noise:  # the noise scale's sums (an empty tuple when it is off)
-      noise = noise._replace(sq_sum=noise.sq_sum / devices)
-    return sums, noise
-
 
 @dataclasses.dataclass(frozen=True)
 class SumsUnit:
@@ -183,10 +194,13 @@ class SumsUnit:
 
   weighting: Weighting
 
-  def init(self, acc_init: Any, loss_like: Any, aux_like: Any) -> Sums:
-    zeros = lambda s: jnp.zeros(jnp.shape(s), sum_dtype(s))  # noqa: E731
-    aux = jax.tree.map(zeros, aux_like)
-    return Sums(acc_init, jnp.zeros((), jnp.float32), zeros(loss_like), aux)
+  def init(self, acc_init: Any, like: Micro) -> Sums:
+    def zeros(x):
+      return jnp.zeros(jnp.shape(x), sum_dtype(x))
+
+    return Sums(
+      acc_init, jnp.zeros((), jnp.float32), zeros(like.loss), jax.tree.map(zeros, like.aux)
+    )
 
   def update(self, s: Sums, m: Micro) -> Sums:
     w, wt = m.weight, self.weighting
@@ -196,18 +210,40 @@ class SumsUnit:
 
   def counted_after(self, s: Sums) -> bool:
     """Whether the total weight (unweighted: the number of micro-batches) is added after the
-    loop, in :meth:`finish`, saving a kernel per micro-batch; not when a running mean needs it."""
+    loop, in :meth:`finalize`, saving a kernel per micro-batch; not when a running mean needs it."""
     return not self.weighting.weighted and not keeps_running_means(s.grads)
 
-  def finish(self, s: Sums, num: Any) -> Sums:
-    """``s`` after a loop over ``num`` micro-batches."""
+  def finalize(self, s: Sums, num: Any, rows: int) -> Sums:
+    """``s`` after a loop over ``num`` micro-batches (of ``rows`` rows each)."""
     if not self.counted_after(s):
       return s
     return s._replace(weight=s.weight + jnp.asarray(num, jnp.float32))
 
+  def per_device(self, s: Sums, devices: int, num: Any) -> Sums:
+    """After the sum over ``devices``: unweighted, a device's micro-batch weighs ``1 / devices``,
+    so global micro-batch ``i`` weighs 1, as on one device, and the total weight is ``num``."""
+    if self.weighting.weighted:
+      return s
+    grads, loss, aux = _divided((s.grads, s.loss, s.aux), devices)
+    return Sums(grads, jnp.asarray(num, jnp.float32), loss, aux)
 
+  def seed_factor(self, devices: int) -> int:
+    """What an open window's sums are multiplied by when one device adds them into its share:
+    unweighted ``devices``, as :meth:`per_device` divides by it (exact for a power of two)."""
+    return 1 if self.weighting.weighted else devices
+
+
+def _divided(tree: Any, devices: int) -> Any:
+  """``tree``'s float leaves divided by ``devices``."""
+  return jax.tree.map(lambda x: x / devices if is_inexact(x) else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
 class Off:
-  """A feature that is off: its carry is ``()`` and nothing is computed."""
+  """A feature that is off: its carry is ``()``, nothing is computed, and its part of the
+  window is ``final`` (``()``; None for the model state)."""
+
+  final: Any = ()
 
   def init(self, *args: Any) -> tuple[()]:
     return ()
@@ -218,8 +254,11 @@ class Off:
   def start(self, carry: tuple[()]) -> None:
     return None
 
-  def finish(self, carry: tuple[()], num: Any) -> None:
-    return None
+  def finalize(self, carry: tuple[()], num: Any, rows: int) -> Any:
+    return self.final
+
+  def per_device(self, part: Any, devices: int, num: Any) -> Any:
+    return part
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:

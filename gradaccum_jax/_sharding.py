@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._checks import check_batch, is_inexact
 from gradaccum_jax._memory import check_budget, device_memory_budget
-from gradaccum_jax._parts import Micro, Sums, SumsUnit, Weighting
+from gradaccum_jax._parts import Micro, Sums, SumsUnit
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
 
@@ -162,13 +162,15 @@ def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any,
   if not (model and _REPLICATES_EXPLICIT_AXES):
     return over(mesh)
 
+  def in_auto(*args):  # the mesh in context there, its model axes Auto
+    return over(jax.sharding.get_abstract_mesh())(*args)
+
   def call(*args):
     # Traced as it is first: a mistake in fn raises here, as it would from jax 0.11 on.
     specs = jax.tree.map(lambda s: s.sharding.spec, jax.eval_shape(over(mesh), *args))
     try:
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        inner = lambda *a: over(jax.sharding.get_abstract_mesh())(*a)  # noqa: E731
-        return jax.sharding.auto_axes(inner, axes=model, out_sharding=specs)(*args)
+        return jax.sharding.auto_axes(in_auto, axes=model, out_sharding=specs)(*args)
     except ValueError:  # fn names a model axis (out_sharding=): it needs them Explicit
       return over(mesh)(*args)
 
@@ -328,7 +330,7 @@ def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class PerMicrobatch:
   """``gather_params="per_microbatch"``, a hook of ``local_sums``: each micro-batch gathers the
-  params' shards, and its gradient is reduce-scattered (:class:`ScatteredSums`)."""
+  params' shards, and its gradient is reduce-scattered (:class:`ScatteredSumsUnit`)."""
 
   plans: tuple[_LeafPlan, ...]
   axes: tuple[str, ...]
@@ -339,12 +341,12 @@ class PerMicrobatch:
     params, _ = jax.lax.optimization_barrier((params, index))
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
-  def wrap(self, unit: SumsUnit) -> ScatteredSums:
-    return ScatteredSums(unit.weighting, self.plans)
+  def wrap(self, unit: SumsUnit) -> ScatteredSumsUnit:
+    return ScatteredSumsUnit(unit.weighting, self.plans)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScatteredSums(SumsUnit):
+class ScatteredSumsUnit(SumsUnit):
   """:class:`SumsUnit` whose gradient sums are reduce-scattered every micro-batch: ``w_i g_i``
   (0 for ``w_i <= 0``) is reduced before it is added, so each device's weight multiplies its own
   gradient; the loss, weight and aux sums stay local."""
@@ -382,9 +384,7 @@ def reduce_over_data(
 
 def over_mesh(
   dp: DataParallel,
-  local_sums: Callable[..., Any],
-  weighting: Weighting,
-  k: int,
+  core: Any,
   params: Any,
   batch: Any,
   rng: jax.Array | None,
@@ -394,8 +394,8 @@ def over_mesh(
   num_real: jax.Array | None,
   in_buffer: bool = False,
 ) -> Any:
-  """Runs ``local_sums`` (the single-device scan, returning a ``Window``) on every device's rows
-  under ``shard_map``, then reduces once (:func:`reduce_over_data`, :func:`reduce_state`).
+  """Runs ``core.local_sums`` (a ``MicrobatchedGrad``'s single-device scan, returning a
+  ``Window``) on every device's rows under ``shard_map``, then reduces once (:func:`reduce_over_data`, :func:`reduce_state`).
   Returns the batch's ``Window``, its gradients added to ``acc_init``: with ``in_buffer`` in the
   scan, where a device starts from its share of ``acc_init``; else after the reduction."""
   if dp.gather not in ("once", "per_microbatch"):
@@ -403,7 +403,7 @@ def over_mesh(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
       " Linen/NNX steps); here pass 'once' or 'per_microbatch'."
     )
-  _check_global_batch(batch, dp, k)
+  _check_global_batch(batch, dp, core.num_microbatches)
   per_mb = dp.gather == "per_microbatch"
   plans = [
     dataclasses.replace(p, outside=p.dim is not None and p.model and not per_mb)
@@ -417,9 +417,7 @@ def over_mesh(
   seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
   seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
   static = {}  # the single-device Window, for its fields that need no reduction
-  per_device = functools.partial(
-    _per_device, dp, plans, local_sums, weighting, acc_leaves, seeded, static
-  )
+  per_device = functools.partial(_per_device, dp, plans, core, acc_leaves, seeded, static)
   args = (params, batch, rng, model_state, scale, num_real)
   args, seeds = _laid_out(dp, plans, args, seeds, seed_plans)
   reduce = shard_map_over_data(
@@ -437,13 +435,13 @@ def over_mesh(
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
-  num = k if num_real is None else num_real
+  num = core.num_microbatches if num_real is None else num_real
   return static["window"]._replace(
     sums=sums._replace(grads=grads), noise=noise, model_state=new_state, num=num
   )
 
 
-def _per_device(dp, plans, local_sums, weighting, acc_leaves, seeded, static,
+def _per_device(dp, plans, core, acc_leaves, seeded, static,
                 params, batch, rng, model_state, scale, num_real, seeds):  # fmt: skip
   """``over_mesh``'s body on one device: its rows' scan, then the reduction over devices."""
   per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
@@ -453,19 +451,19 @@ def _per_device(dp, plans, local_sums, weighting, acc_leaves, seeded, static,
     rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
   # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
   # or this device's share of the seeds.
-  it, factor = iter(seeds), weighting.seed_factor(dp.size)
+  it, factor = iter(seeds), core.seed_factor(dp.size)
   acc0 = treedef.unflatten([
     p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
     for x, a, p, s in zip(jax.tree.leaves(params), acc_leaves, plans, seeded, strict=True)
   ])  # fmt: skip
   hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
-  w = local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, per_micro=hook)
+  w = core.local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, hook)
   static["window"] = w
   grads, (sums, noise) = reduce_over_data(
     plans, jax.tree.leaves(w.sums.grads), (w.sums._replace(grads=()), w.noise), dp.axes, per_mb
   )
   sums = sums._replace(grads=treedef.unflatten(grads))
-  sums, noise = weighting.per_device(sums, noise, dp.size, w.num)
+  sums, noise = core.per_device(sums, noise, dp.size, w.num)
   return sums, noise, reduce_state(w.model_state, dp.axes)
 
 
@@ -510,3 +508,138 @@ def place_params(dp: DataParallel | None, tree: Any) -> Any:
   if dp is None:
     return tree
   return _per_leaf(lambda x, p: place(x, dp.mesh, p.spec), tree, leaf_plans(dp, tree))
+
+
+def on_the_params_mesh(state: Any, params: Any) -> Any:
+  """``state`` with every concrete array that is not on the params' mesh (the counters, the
+  inner optimizer's own ``count``) placed there, replicated: a checkpoint restored onto
+  ``tx.init(params)``'s shardings then finds every leaf on one set of devices."""
+
+  def concrete(x):
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+  def named(x):
+    return concrete(x) and isinstance(x.sharding, jax.sharding.NamedSharding)
+
+  meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if named(x)]
+  if not meshes:
+    return state
+  replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+  return jax.tree.map(
+    lambda x: jax.device_put(x, replicated) if concrete(x) and not named(x) else x, state
+  )
+
+
+def with_types_of(tree: Any, like: Any) -> Any:
+  """``tree`` resharded where a leaf's sharding type differs from ``like``'s (on an explicit
+  mesh, a loop's carry must keep its type: an inner state laid out replicated, updated from
+  gradients sharded like the params, comes out sharded)."""
+
+  def cast(x, ref):
+    want = getattr(jax.typeof(ref), "sharding", None)
+    axis_types = getattr(getattr(want, "mesh", None), "axis_types", ())
+    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+      return x  # no sharding in the types
+    return x if jax.typeof(x).sharding.spec == want.spec else jax.reshard(x, want)
+
+  return jax.tree.map(cast, tree, like)
+
+
+class Slots:
+  """Where ``ga.micro_step`` keeps an open window's sums: with a mesh, one slot per data-parallel
+  device (a leading axis of ``D`` sharded over the data axes; their total is the window's), so
+  a call adds its rows' sums with no collective; without one, the sums themselves."""
+
+  def __init__(self, dp: DataParallel | None):
+    self.dp = dp
+    self.devices = 1 if dp is None else dp.size
+
+  def _spec(self, like: P | None = None) -> P:
+    return P(self.dp.batch_spec[0], *(like or ()))
+
+  def _specs(self, tree: Any) -> Any:
+    return jax.tree.map(lambda _: self._spec(), tree)
+
+  def check_rows(self, rows: int) -> None:
+    if rows % self.devices:
+      dp = self.dp
+      raise ValueError(
+        f"micro_step: the micro-batch has {rows} rows, not divisible by the {dp.size} devices"
+        f" on the data axes {dp.axes} (mesh {dict(dp.mesh.shape)}): every device takes"
+        f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
+      )
+
+  def first(self, sums: Sums, noise: Any, params: Any) -> tuple[Sums, Any]:
+    """Totals ``sums`` and ``noise`` in the first slot, the others zero (gradients laid out as
+    ``params`` are over the model axes)."""
+    if self.dp is None:
+      return sums, noise
+    mesh = self.dp.mesh
+
+    def one(x, spec=None):
+      spec = P() if spec is None else spec
+      sharding = NamedSharding(mesh, self._spec(spec))
+      x = place(jnp.asarray(x), mesh, spec)  # gathered over the data axes
+      zeros = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x), device=sharding)
+      if _explicit(mesh):  # a typed sharding
+        return zeros.at[0].set(x, out_sharding=sharding)
+      return place(zeros.at[0].set(x), mesh, self._spec(spec))
+
+    grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
+    rest, noise = jax.tree.map(one, (sums._replace(grads=()), noise))
+    return rest._replace(grads=grads), noise
+
+  def local(self, local: Callable[..., Any], params, mb, rng, own, model_state, scale):
+    """``local(params, mb, rng, own, model_state, scale, axes) -> ((sums, noise), model_state)``
+    of a micro-batch: with a mesh every device's of its rows, in its own slot, with no gradient
+    collective (data-sharded params gathered by GSPMD before), the model state reduced."""
+    dp = self.dp
+    if dp is None:
+      return local(params, mb, rng, own, model_state, scale, ())
+    axes, mesh, plans = dp.axes, dp.mesh, leaf_plans(dp, params)
+    params = _per_leaf(lambda x, p: place(x, mesh, p.model_spec), params, plans)
+
+    def per_device(params, mb, rng, own, model_state, scale):
+      if rng is not None:
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+      own = jax.tree.map(lambda x: x[0], own)
+      new, new_model_state = local(params, mb, rng, own, model_state, scale, axes)
+      return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
+
+    args = (params, mb, rng, own, model_state, scale)
+    if _explicit(mesh):
+      slot, (partial, noise) = self._spec(), own
+      grad_specs = _per_leaf(lambda _, p: self._spec(p.model_spec), partial.grads, plans)
+      specs = (Sums(grad_specs, slot, slot, self._specs(partial.aux)), self._specs(noise))
+      # Replicated over the data axes only: state sharded over a model axis keeps it.
+      rest = [
+        jax.tree.map(lambda x: place(x, mesh, off_data(x, axes)), a) for a in (model_state, scale)
+      ]
+      args = (
+        params, jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), mb), rng,
+        jax.tree.map(lambda x, s: place(x, mesh, s), own, specs), *rest,
+      )  # fmt: skip
+    own_specs = self._specs(own)
+    add = shard_map_over_data(
+      per_device, dp, (P(), dp.batch_spec, P(), own_specs, P(), P()), (own_specs, P())
+    )
+    return add(*args)
+
+  def reduce(self, params: Any, own: tuple[Sums, Any]) -> tuple[Sums, Any]:
+    """The window's sums: the slots reduced (one all-reduce, reduce-scatters for data-sharded
+    params)."""
+    dp = self.dp
+    if dp is None:
+      return own
+    plans, treedef = leaf_plans(dp, params), jax.tree.structure(params)
+
+    def per_device(partial, noise):
+      partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
+      grads, (rest, noise) = reduce_over_data(
+        plans, jax.tree.leaves(partial.grads), (partial._replace(grads=()), noise), dp.axes, False
+      )
+      return rest._replace(grads=treedef.unflatten(grads)), noise
+
+    aux = jax.tree.map(lambda _: P(), own[0].aux)
+    out = Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), aux)
+    return shard_map_over_data(per_device, dp, self._specs(own), (out, P()))(*own)

@@ -15,6 +15,7 @@ from gradaccum_jax._accumulate import (
   AccumulateState,
   as_accumulate,
   loop_once_if,
+  window_metrics,
 )
 from gradaccum_jax._checks import (
   check_accumulator_on_mesh,
@@ -23,7 +24,7 @@ from gradaccum_jax._checks import (
 )
 from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._noise import NoiseSums, add_window, estimates, noise_scale
+from gradaccum_jax._noise import NoiseSums, add_window
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import keep_if_voided, keeps_running_means, merge_gradients
 from gradaccum_jax._sharding import place_params
@@ -166,22 +167,16 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
       state = state._replace(noise_scale=add_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    new_params, new_state, grad_norm = acc.close(
-      acc_grads, weight, state, params, params, extra, in_place=in_place, norm_by_rows=dp is None
-    )
+    mode = "loop" if in_place else "select"
+    closed = acc.close(acc_grads, weight, state, params, params, extra, mode, dp is None)
+    new_state = closed.state
     cleared = new_state.acc_grads if cleared is None else cleared
     new_state = new_state._replace(acc_grads=place_params(dp, cleared))
-    new_params = place_params(dp, new_params)
+    new_params = place_params(dp, closed.out)
     # A voided window restores float model state (statistics), counters advance; None stays None.
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
-    metrics = dict(loss=loss, grad_norm=grad_norm, weight=sums.weight, updated=new_state.updated)
-    if opts.loss.has_aux:
-      metrics["aux"] = aux
-    if scale is not None:
-      metrics["loss_scale"] = scale
-    if isinstance(window.noise, NoiseSums):  # the new ratio and this window's estimates
-      g2, trace = estimates(acc_grads, weight, state.noise_scale, scale)
-      metrics.update(noise_scale=noise_scale(new_state), grad_sq_norm_est=g2, trace_sigma_est=trace)
+    metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)
+    metrics["updated"] = new_state.updated
     return new_params, new_model_state, new_state, metrics
 
   return fused
