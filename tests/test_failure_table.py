@@ -165,8 +165,8 @@ TRIGGERS = {
     ga.accumulate(optax.sgd(0.1), K),
     mesh=jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Explicit,)),
   ),
-  "`every_k_schedule=` (`optax.MultiSteps`' name) given to `ga.accumulate`": lambda: (
-    ga.accumulate(optax.sgd(0.1), every_k_schedule=4)
+  "`every_k_schedule=` (`optax.MultiSteps`' name) given to `ga.accumulate`": lambda: ga.accumulate(
+    optax.sgd(0.1), every_k_schedule=4
   ),
   "an `optax.MultiSteps` as `ga.accumulate`'s inner optimizer": lambda: ga.accumulate(
     optax.MultiSteps(optax.sgd(0.1), 4), 2

@@ -468,3 +468,30 @@ def test_the_returned_state_answers_every_accumulate_state_field(layout):
     getattr(state, name)
   with pytest.raises(AttributeError, match="no attribute 'acc'"):
     state.acc  # noqa: B018
+
+
+@pytest.mark.parametrize("features", ["plain", "loss_scale_noise_aux"])
+def test_micro_step_reports_the_metrics_of_train_step_in_the_same_dtypes(features):
+  """One function builds a closed window's metrics for every mode: micro_step's closing call
+  reports train_step's keys (before: no "loss_scale" nor noise-scale metrics) in its dtypes,
+  and their values for the same window (its "micro_step" aside)."""
+  rich = features != "plain"
+  kw = dict(loss_scale=ga.DynamicLossScale(2.0**4), noise_scale_ema=0.5) if rich else {}
+  k, params = 4, init_mlp(jax.random.key(0), SIZES)
+  batch = data(8 * k)
+
+  def loss(p, mb):
+    value = xent_loss(p, mb)
+    return (value, {"n": jnp.sum(mb["y"] >= 0), "half": value / 2}) if rich else value
+
+  tx = ga.accumulate(optax.adam(1e-2), k, **kw)
+  _, _, fused = ga.train_step(loss, tx, has_aux=rich)(params, tx.init(params), batch)
+  step = ga.micro_step(loss, tx, has_aux=rich)
+  state = step.init(params, ga.microbatch(batch, 0, k)) if rich else tx.init(params)
+  _, _, streamed = run_window(step, params, state, batch, k)
+  assert set(streamed) - {"micro_step"} == set(fused)
+  for key, value in jax.tree_util.tree_leaves_with_path(fused):
+    got = jax.tree_util.tree_leaves_with_path(streamed)
+    other = dict((jax.tree_util.keystr(p), v) for p, v in got)[jax.tree_util.keystr(key)]
+    assert other.dtype == value.dtype, key
+    np.testing.assert_allclose(other, value, rtol=2e-5, err_msg=jax.tree_util.keystr(key))
