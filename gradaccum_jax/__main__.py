@@ -1,5 +1,8 @@
-"""Train a small MLP on scikit-learn's digits three ways (a plain big batch, ga.train_step,
-optax.MultiSteps) from the same start on the same batches, and check that they agree."""
+"""Train a small MLP on scikit-learn's digits with a plain big batch, ga.train_step,
+optax.MultiSteps and optax.microbatching, from the same start on the same batches, in three
+cases: equal micro-batches with a mean loss (where all of them match the big batch), uneven
+token counts with a token-mean loss, and clipping with a warm-up schedule. Prints how far each
+tool's updates are from the big batch's, and plots it."""
 
 from __future__ import annotations
 
@@ -10,16 +13,43 @@ import math
 import os
 import sys
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 
 import gradaccum_jax as ga
 
 TOLERANCE = 1e-3
+CLIP = 1.0  # global norm of case 3 (the digits MLP's gradients start at norm 3 to 5)
+
+
+class Run(NamedTuple):
+  """One way to train: a jitted step, the optimizer whose ``init`` makes its state, each
+  window's batches (the whole window, or its k micro-batches), and why it may differ from the
+  big batch (None: it should not)."""
+
+  step: Any
+  tx: Any
+  windows: list
+  differs_because: str | None = None
+
+
+class Result(NamedTuple):
+  """A run's final params, window losses, median ms per window, and after each window its
+  relative difference to the reference (the reference's own: its flat params)."""
+
+  params: Any
+  losses: list[float]
+  ms: float
+  track: list
+
+
+class Case(NamedTuple):
+  title: str
+  runs: dict[str, Run]  # the first is the reference: the plain step on the whole window
 
 
 def init_params(seed, sizes):
@@ -29,13 +59,26 @@ def init_params(seed, sizes):
   return [{"w": w.astype(np.float32), "b": np.zeros(w.shape[1], np.float32)} for w in ws]
 
 
-def loss_fn(params, batch):
+def _row_losses(params, batch):
   x = batch["x"]
   for layer in params[:-1]:
     x = jax.nn.relu(x @ layer["w"] + layer["b"])
   logits = x @ params[-1]["w"] + params[-1]["b"]
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+  hits = jnp.argmax(logits, -1) == batch["y"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), hits
+
+
+def loss_fn(params, batch):
+  """The mean cross-entropy of the batch's rows, and their accuracy."""
+  losses, hits = _row_losses(params, batch)
+  return losses.mean(), {"accuracy": jnp.mean(hits)}
+
+
+def token_loss(params, batch):
+  """The mean cross-entropy of the batch's real rows (``mask`` 1; padding is 0): a token mean."""
+  losses, hits = _row_losses(params, batch)
+  tokens = jnp.maximum(batch["mask"].sum(), 1.0)
+  return jnp.sum(losses * batch["mask"]) / tokens, {"accuracy": jnp.mean(hits)}
 
 
 def load_digits_split(seed):
@@ -55,6 +98,17 @@ def make_windows(x, y, steps, rows, seed):
   rng = np.random.default_rng(seed)
   order = np.concatenate([rng.permutation(len(x)) for _ in range(math.ceil(steps * rows / len(x)))])
   return [{"x": x[idx], "y": y[idx]} for idx in order[: steps * rows].reshape(steps, rows)]
+
+
+def with_padding(windows, k, seed):
+  """Each window with a ``mask``: micro-batch ``i`` (rows ``i, i + k, ...``, as ga splits)
+  keeps its first ``n_i`` rows, ``n_i`` drawn from 1 to b; the rest is padding."""
+  rng, out = np.random.default_rng(seed + 1), []
+  for w in windows:
+    b = len(w["y"]) // k
+    real = rng.integers(1, b + 1, size=(k, 1)) > np.arange(b)  # (k, b): micro-batch, row
+    out.append({**w, "mask": real.T.reshape(-1).astype(np.float32)})  # row i + k * j
+  return out
 
 
 def _positive(kind, text):
@@ -104,62 +158,133 @@ def main(argv: list[str] | None = None) -> int:
     k, b, rows = args.k, args.microbatch_size, args.k * args.microbatch_size
     x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
     windows = make_windows(x_tr, y_tr, args.steps, rows, args.seed)
-    micro = [[{n: a[i * b : (i + 1) * b] for n, a in w.items()} for i in range(k)] for w in windows]
-    windows, micro = jax.device_put(([[w] for w in windows], micro))
     params0 = jax.device_put(init_params(args.seed, (x_tr.shape[1], args.hidden, args.hidden, 10)))
     print(
       f"gradaccum_jax {ga.__version__} on {jax.devices()[0].platform} (jax {jax.__version__}):"
       f" digits ({len(x_tr)} train / {len(x_te)} test), MLP 64-{args.hidden}-{args.hidden}-10,"
-      f" {args.steps} adam updates of {rows} = {k} x {b} rows"
+      f" {args.steps} adam updates of {rows} = {k} x {b} rows, from the same start, per case"
     )
-    big, multi = optax.adam(args.lr), optax.MultiSteps(optax.adam(args.lr), every_k_schedule=k)
-    tx = ga.accumulate(optax.adam(args.lr), k)
-    accum = ga.train_step(loss_fn, tx, has_aux=True)  # one program: a scan over k, one update
-    runs = {  # name: (jitted step, initial state, each window's batches)
-      f"plain batch of {rows}": (_optax_step(big), big.init(params0), windows),
-      f"ga.train_step {k} x {b}": (accum, tx.init(params0), windows),
-      f"optax.MultiSteps {k} x {b}": (_optax_step(multi), multi.init(params0), micro),
-    }
     hide = args.quiet or not sys.stderr.isatty()
-    results = {
-      name: _run(*run, params0, functools.partial(tqdm, desc=name, disable=hide, leave=False))
-      for name, run in runs.items()
-    }
-    print("\n| run | final train loss | test accuracy | ms / window (median) |\n|---|---|---|---|")
-    for name, (params, _, ms) in results.items():
-      train_loss = float(loss_fn(params, {"x": x_tr, "y": y_tr})[0])
-      test_acc = float(loss_fn(params, {"x": x_te, "y": y_te})[1]["accuracy"])
-      print(f"| {name} | {train_loss:.4f} | {test_acc:.4f} | {ms:.2f} |")
-    (ref_name, (ref, _, _)), *others = results.items()
-    print(f"\nrelative parameter difference to the {ref_name} after {args.steps} updates:")
-    flat = lambda tree: np.asarray(ravel_pytree(tree)[0], np.float64)  # noqa: E731
-    ref, agree = flat(ref), True
-    for name, (params, _, _) in others:
-      rel = float(np.linalg.norm(flat(params) - ref) / np.linalg.norm(ref))  # global L2 norms
-      agree &= rel < TOLERANCE
-      print(f"  {name}: {rel:.1e} ({'ok' if rel < TOLERANCE else 'TOO LARGE'})")
-    print(f"-> {'the runs agree' if agree else 'THE RUNS DISAGREE'} (tolerance {TOLERANCE:.0e})")
-    print(f"loss curves: {_plot_losses(results, args, plt)}")
+    bar = functools.partial(tqdm, disable=hide, leave=False)
+    found = []  # (case number, name, Result, differs_because) of every run but the references
+    for number, case in enumerate(_cases(args, windows), start=1):
+      print(f"\n{number}. {case.title}")
+      found += _run_case(number, case, params0, bar, (x_tr, y_tr, x_te, y_te))
+    agree = _report(found, args.steps)
+    print(f"plot: {_plot(found, args, plt)}")
     return 0 if agree else 1
 
 
-def _optax_step(tx):
-  """One jitted optax step on a batch: the whole batch (plain), or one micro-batch (MultiSteps)."""
+def _cases(args, windows) -> list[Case]:
+  """The three cases, each a reference (the plain step on the whole window) and the tools."""
+  k, b, lr = args.k, args.microbatch_size, args.lr
+  padded = with_padding(windows, k, args.seed)
+  # The schedule of case 3: warm-up from lr / 10 to lr, then a cosine back to lr / 10.
+  warmup = max(1, args.steps // 10)
+  decay = max(args.steps, 2 * warmup)
+  schedule = optax.warmup_cosine_decay_schedule(lr / 10, lr, warmup, decay, end_value=lr / 10)
+  adam, clipped = optax.adam(lr), optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(schedule))
+  outside = optax.chain(  # clipping and the schedule wrapped around MultiSteps
+    optax.clip_by_global_norm(CLIP),
+    optax.inject_hyperparams(_multisteps_adam(k))(learning_rate=schedule),
+  )
+  mean_of_means = "a mean of per-micro-batch means, not the token mean"
+  multisteps = f"optax.MultiSteps {k} x {b}"
+  return [
+    Case(
+      "Equal micro-batches, a mean loss: the usual case, where every tool matches the big batch.",
+      _runs(args, windows, loss_fn, adam, {multisteps: (optax.MultiSteps(adam, k), None)}),
+    ),
+    Case(
+      f"Uneven tokens: micro-batch i has n_i real rows (n_i drawn from 1 to {b}, the rest"
+      " padding) and the loss is the mean over the window's real rows. ga weighs each"
+      " micro-batch by its real rows (weight_fn=lambda mb: mb['mask'].sum()); MultiSteps and"
+      " microbatching (MEAN) are given each micro-batch's mean.",
+      _runs(args, padded, token_loss, adam,
+            {multisteps: (optax.MultiSteps(adam, k), mean_of_means)}, mean_of_means),
+    ),
+    Case(
+      f"Clipping (global norm {CLIP:g}) and a learning-rate schedule (warm-up over {warmup}"
+      " windows, then a cosine). ga and MultiSteps take both inside the inner optimizer;"
+      " MultiSteps also as they are often added, around it (optax.chain(clip, ...),"
+      " optax.inject_hyperparams); microbatching's mean gradient goes through the same chain.",
+      _runs(args, windows, loss_fn, clipped, {
+        f"{multisteps}, inside": (optax.MultiSteps(clipped, k), None),
+        f"{multisteps}, around it": (outside, "clips each micro-batch; the schedule counts micro-batches"),
+      }),
+    ),
+  ]  # fmt: skip
+
+
+def _multisteps_adam(k):
+  """``learning_rate -> MultiSteps(adam(learning_rate), k)``, for ``optax.inject_hyperparams``."""
+
+  def make(learning_rate):
+    return optax.MultiSteps(optax.adam(learning_rate), k).gradient_transformation()
+
+  return make
+
+
+def real_rows(microbatch):
+  """Case 2's ``weight_fn``: the micro-batch's real (not padding) rows, its tokens."""
+  return microbatch["mask"].sum()
+
+
+def _runs(args, windows, loss, inner, multisteps, mean_of_means=None):
+  """The reference, ga, the given MultiSteps runs (one call per micro-batch; name: (optimizer,
+  why it may differ)) and optax.microbatching, on these windows."""
+  k, b = args.k, args.microbatch_size
+  weighted = "mask" in windows[0]
+  micro = [[{n: a[i::k] for n, a in w.items()} for i in range(k)] for w in windows]  # ga's rows
+  whole, micro = jax.device_put(([[w] for w in windows], micro))
+  tx = ga.accumulate(inner, k)
+  weight_fn = real_rows if weighted else None
+  runs = {
+    f"plain batch of {k * b}" + (", token mean" if weighted else ""): Run(
+      _optax_step(inner, loss), inner, whole
+    ),
+    f"ga.train_step {k} x {b}" + (", weight_fn" if weighted else ""): Run(
+      ga.train_step(loss, tx, has_aux=True, weight_fn=weight_fn), tx, whole
+    ),
+  }
+  for name, (ms, why) in multisteps.items():
+    runs[name] = Run(_optax_step(ms, loss), ms, micro, why)
+  mb_step = _optax_step(inner, loss, microbatch_size=b)
+  runs[f"optax.microbatching {k} x {b}"] = Run(mb_step, inner, whole, mean_of_means)
+  return runs
+
+
+def _optax_step(tx, loss, microbatch_size=None):
+  """One jitted optax step on a batch: the whole window (plain), one micro-batch (MultiSteps),
+  or the whole window through ``optax.microbatching`` (the mean of its micro-batches'
+  gradients, micro-batch ``i`` the rows ``i, i + k, ...`` as in ga) when ``microbatch_size``
+  is given."""
+  grad_fn = jax.value_and_grad(loss, has_aux=True)
+  if microbatch_size is not None:
+    mean = optax.microbatching.AccumulationType.MEAN
+    grad_fn = optax.microbatching.microbatch(grad_fn, 1, microbatch_size, accumulator=mean)
 
   @jax.jit
   def step(params, opt_state, batch):
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    (loss_value, _), grads = grad_fn(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss_value}
 
   return step
 
 
-def _run(step, state, windows, params, bar):
-  """``step`` compiled, then timed on each window's batches: params, window losses, median ms."""
-  compiled = step.lower(params, state, windows[0][0]).compile()
-  losses, times = [], []
-  for batches in bar(windows):
+def _flat(params):
+  return np.concatenate([np.asarray(leaf, np.float64).ravel() for leaf in jax.tree.leaves(params)])
+
+
+def _run(run: Run, params, bar, reference=None) -> Result:
+  """``run.step`` compiled, then timed on each window's batches. After each window, the flat
+  params (the reference's run, ``reference`` None) or their distance to ``reference``'s after
+  the same window, over the distance the reference had moved from the start."""
+  state = run.tx.init(params)
+  compiled = run.step.lower(params, state, run.windows[0][0]).compile()
+  start_flat, losses, times, track = _flat(params), [], [], []
+  for t, batches in enumerate(bar(run.windows)):
     start, window = time.perf_counter(), []
     for batch in batches:  # equal-size micro-batches: the window loss is their mean
       params, state, metrics = compiled(params, state, batch)
@@ -167,25 +292,107 @@ def _run(step, state, windows, params, bar):
     jax.block_until_ready(params)
     times.append(time.perf_counter() - start)
     losses.append(float(np.mean([float(loss) for loss in window])))
-  return params, losses, 1e3 * float(np.median(times[1:] or times))
+    flat = _flat(params)
+    if reference is None:
+      track.append(flat)
+    else:
+      moved = max(float(np.linalg.norm(reference[t] - start_flat)), np.finfo(np.float32).tiny)
+      track.append(float(np.linalg.norm(flat - reference[t])) / moved)
+  return Result(params, losses, 1e3 * float(np.median(times[1:] or times)), track)
 
 
-def _plot_losses(results: dict, args: argparse.Namespace, plt) -> str:
-  """The runs' window losses on a log scale, saved as ``<args.out>/loss_curves.png``."""
+def _run_case(number, case, params0, bar, data):
+  """Every run of ``case`` from ``params0``, a table of each one's final train loss, test
+  accuracy and time, and ``(number, name, Result, differs_because)`` of each but the first."""
+  train, test = jax.device_put(({"x": data[0], "y": data[1]}, {"x": data[2], "y": data[3]}))
+  evaluate = jax.jit(loss_fn)  # two programs (train and test set), not one per operation
+  print("| run | final train loss | test accuracy | ms / window (median) |\n|---|---|---|---|")
+  (ref_name, ref_run), *others = case.runs.items()
+  ref = _run(ref_run, params0, functools.partial(bar, desc=ref_name))
+  found = []
+  for name, run in [(ref_name, ref_run), *others]:
+    if name == ref_name:
+      result = ref
+    else:
+      result = _run(run, params0, functools.partial(bar, desc=name), ref.track)
+      found.append((number, name, result, run.differs_because))
+    train_loss = float(evaluate(result.params, train)[0])
+    test_acc = float(evaluate(result.params, test)[1]["accuracy"])
+    print(f"| {name} | {train_loss:.4f} | {test_acc:.4f} | {result.ms:.2f} |")
+  if number == 1:
+    found.insert(0, (number, ref_name, ref._replace(track=None), None))  # its losses: the plot
+  return found
+
+
+def _report(found, steps) -> bool:
+  """The table of every run's difference to its case's reference; whether each run that
+  should match the big batch does."""
+  print(
+    "\nDifference to the plain big batch's params after the same updates, over the distance"
+    " the big batch moved them from the start (0 = the same update):"
+  )
+  print(f"| case | run | after the first update | after {steps} | |\n|---|---|---|---|---|")
+  wrong, differ = [], []
+  for number, name, result, why in found:
+    if result.track is None:
+      continue
+    first, last = result.track[0], result.track[-1]
+    close = max(first, last) < TOLERANCE
+    verdict = "ok" if close else (f"differs: {why}" if why else "TOO LARGE")
+    print(f"| {number} | {name} | {first:.1e} | {last:.1e} | {verdict} |")
+    if not close:
+      (differ if why else wrong).append(f"{number}. {name}")
+  if wrong:
+    print(f"-> THE RUNS DISAGREE (tolerance {TOLERANCE:.0e}): {', '.join(wrong)}")
+  else:
+    but = f", but for {len(differ)} that differ by design: {'; '.join(differ)}" if differ else ""
+    print(f"-> the runs agree with the big batch (tolerance {TOLERANCE:.0e}){but}")
+  return not wrong
+
+
+def _plot(found, args: argparse.Namespace, plt) -> str:
+  """Case 1's window losses, and every run's difference to the big batch after each update,
+  on log scales, saved as ``<args.out>/loss_curves.png``."""
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "loss_curves.png")
-  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-  styles = [{"lw": 4, "alpha": 0.35}, {"lw": 1.8, "ls": "--"}, {"lw": 1.8, "ls": ":", "color": "k"}]
-  for (name, (_, losses, _)), style in zip(results.items(), styles, strict=True):
-    ax.plot(range(1, args.steps + 1), losses, label=name, **style)
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=110)
+  updates = range(1, args.steps + 1)
+  styles = [
+    {"lw": 5, "alpha": 0.3, "color": "0.4"},
+    {"lw": 1.8, "ls": "--", "color": _color("ga.")},
+    {"lw": 1.8, "ls": ":", "color": "k"},
+    {"lw": 1, "ls": "-.", "color": _color("optax.microbatching")},
+  ]
+  case1 = [(name, result) for number, name, result, _ in found if number == 1]
+  for (name, result), style in zip(case1, itertools.cycle(styles)):
+    left.plot(updates, result.losses, label=name, **style)
   k, b = args.k, args.microbatch_size
-  ax.set_title(f"digits MLP, adam lr={args.lr:g}, effective batch {k * b} = {k} x {b}")
-  ax.set(yscale="log", xlabel="optimizer update (window)", ylabel="training loss of the window")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend()
+  left.set_title(f"1. equal micro-batches: training loss\nadam lr={args.lr:g}, {k * b} = {k} x {b}")
+  left.set(yscale="log", xlabel="optimizer update (window)", ylabel="training loss of the window")
+  floor = 1e-9  # a difference of exactly 0 drawn at the floor
+  for number, name, result, _ in found:
+    if result.track is not None:
+      values, wide = np.maximum(result.track, floor), name.startswith("optax.MultiSteps")
+      right.plot(updates, values, color=_color(name), ls=("-", "--", ":")[(number - 1) % 3],
+                 lw=3.5 if wide else 1.5, alpha=0.6 if wide else 1, label=f"{number}. {name}")  # fmt: skip
+  right.axhline(TOLERANCE, color="0.5", lw=0.8, label=f"tolerance {TOLERANCE:g}")
+  right.set_title("difference to the plain big batch's params\n(over the distance it moved them)")
+  right.set(yscale="log", xlabel="optimizer update (window)", ylabel="relative difference")
+  for ax in (left, right):
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
   fig.savefig(path, bbox_inches="tight")
   plt.close(fig)
   return path
+
+
+def _color(name):
+  if name.startswith("ga."):
+    return "tab:blue"
+  if name.startswith("optax.MultiSteps"):
+    return "tab:red" if "around" in name else "tab:orange"
+  return "tab:green"
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._accumulate import Accumulate, accumulate
-from gradaccum_jax._checks import check_batch, check_num_microbatches
+from gradaccum_jax._checks import check_batch, check_budget, check_num_microbatches
 from gradaccum_jax._memory import (
-  check_budget,
   compiled_bytes,
   device_memory_budget,
   memory_analysis,

@@ -9,8 +9,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._checks import check_real
-
 
 def compiled_bytes(analysis: Any) -> int:
   """Per-device bytes of a compiled program: temp + arguments + outputs - aliased outputs."""
@@ -30,14 +28,6 @@ def memory_analysis(compiled: Any, what: str) -> Any:
       f"The {jax.default_backend()} backend returns no compiled.memory_analysis(), so {what}."
     )
   return analysis
-
-
-def check_budget(budget: Any, where: str) -> None:
-  """``memory_budget_bytes``, checked: a number of bytes > 0."""
-  if (
-    not check_real(budget, f"{where}: memory_budget_bytes={budget!r} must be a number of bytes") > 0
-  ):
-    raise ValueError(f"{where}: memory_budget_bytes={budget!r} must be > 0.")
 
 
 def device_memory_budget(device: Any, needs: str) -> int:

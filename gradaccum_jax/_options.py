@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._model_state import check_batchnorm, check_state_like
+from gradaccum_jax._checks import check_batchnorm, check_state_like
 from gradaccum_jax._parts import Weighting
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 

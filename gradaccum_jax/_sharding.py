@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._checks import check_batch, is_inexact
-from gradaccum_jax._memory import check_budget, device_memory_budget
+from gradaccum_jax._checks import check_budget, check_global_batch, is_inexact
+from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import Micro, Sums, SumsUnit
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
@@ -316,17 +316,6 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
   return _LeafPlan(spec, dim, names, rest, parts, model)
 
 
-def _check_global_batch(batch: Any, dp: DataParallel, k: int) -> None:
-  batch_size = check_batch(batch, 1)
-  if batch_size % (dp.size * k):
-    raise ValueError(
-      f"The global batch size B={batch_size} is not divisible by {dp.size * k} = {dp.size}"
-      f" devices on the data axes {dp.axes} x num_microbatches k={k}: every device splits"
-      f" its B / {dp.size} rows into {k} micro-batches. Use a batch size that is a multiple"
-      f" of {dp.size * k}."
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class PerMicrobatch:
   """``gather_params="per_microbatch"``, a hook of ``local_sums``: each micro-batch gathers the
@@ -403,7 +392,7 @@ def over_mesh(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
       " Linen/NNX steps); here pass 'once' or 'per_microbatch'."
     )
-  _check_global_batch(batch, dp, core.num_microbatches)
+  check_global_batch(batch, dp, core.num_microbatches)
   per_mb = dp.gather == "per_microbatch"
   plans = [
     dataclasses.replace(p, outside=p.dim is not None and p.model and not per_mb)
@@ -524,7 +513,7 @@ def on_the_params_mesh(state: Any, params: Any) -> Any:
   meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if named(x)]
   if not meshes:
     return state
-  replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+  replicated = NamedSharding(meshes[0], P())
   return jax.tree.map(
     lambda x: jax.device_put(x, replicated) if concrete(x) and not named(x) else x, state
   )
@@ -537,8 +526,7 @@ def with_types_of(tree: Any, like: Any) -> Any:
 
   def cast(x, ref):
     want = getattr(jax.typeof(ref), "sharding", None)
-    axis_types = getattr(getattr(want, "mesh", None), "axis_types", ())
-    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+    if not _explicit(getattr(want, "mesh", None)):
       return x  # no sharding in the types
     return x if jax.typeof(x).sharding.spec == want.spec else jax.reshard(x, want)
 
