@@ -64,6 +64,14 @@ myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# Defaults as written in the source (`accum_dtype=jnp.float32`), not their repr
+# (`<class 'jax.numpy.float32'>`).
+autodoc_preserve_defaults = True
+# A signature longer than this puts each parameter on its own line: no parameter is split.
+python_maximum_signature_line_length = 88
+# The page's table of contents lists a class's fields by their own names (`micro_step` under
+# `AccumulateState`), short enough for the sidebar.
+toc_object_entries_show_parents = "hide"
 autodoc_default_options = {"members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -74,9 +82,12 @@ html_title = "gradaccum_jax"
 html_theme_options = {
   "show_toc_level": 2,
   "navigation_with_keys": False,
+  # The comparison's wide tables get the whole width: no table of contents beside them.
+  "secondary_sidebar_items": {"**": ["page-toc.html"], "comparison": []},
 }
-# custom.css wraps long code lines and, on a phone, shows tables as one card per row (custom.js
-# labels the cells with their headers): nothing is cut off at any width.
+# custom.css: code blocks scroll sideways and keep their lines, identifiers never break inside,
+# the text column is wider on pages with tables, and a table too wide for a phone's screen
+# becomes one card per row (custom.js labels the cells with their headers).
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 html_js_files = ["custom.js"]

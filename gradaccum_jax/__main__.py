@@ -23,7 +23,6 @@ import optax
 import gradaccum_jax as ga
 
 TOLERANCE = 1e-3
-CLIP = 1.0  # global norm of case 3 (the digits MLP's gradients start at norm 3 to 5)
 
 
 class Run(NamedTuple):
@@ -178,14 +177,15 @@ def main(argv: list[str] | None = None) -> int:
 def _cases(args, windows) -> list[Case]:
   """The three cases, each a reference (the plain step on the whole window) and the tools."""
   k, b, lr = args.k, args.microbatch_size, args.lr
+  clip = 1.0  # the global norm of case 3 (the digits MLP's gradients start at norms 3 to 5)
   padded = with_padding(windows, k, args.seed)
   # The schedule of case 3: warm-up from lr / 10 to lr, then a cosine back to lr / 10.
   warmup = max(1, args.steps // 10)
   decay = max(args.steps, 2 * warmup)
   schedule = optax.warmup_cosine_decay_schedule(lr / 10, lr, warmup, decay, end_value=lr / 10)
-  adam, clipped = optax.adam(lr), optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(schedule))
+  adam, clipped = optax.adam(lr), optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
   outside = optax.chain(  # clipping and the schedule wrapped around MultiSteps
-    optax.clip_by_global_norm(CLIP),
+    optax.clip_by_global_norm(clip),
     optax.inject_hyperparams(_multisteps_adam(k))(learning_rate=schedule),
   )
   mean_of_means = "a mean of per-micro-batch means, not the token mean"
@@ -197,14 +197,14 @@ def _cases(args, windows) -> list[Case]:
     ),
     Case(
       f"Uneven tokens: micro-batch i has n_i real rows (n_i drawn from 1 to {b}, the rest"
-      " padding) and the loss is the mean over the window's real rows. ga weighs each"
+      " padding) and the loss is the mean over the window's real rows. ga weights each"
       " micro-batch by its real rows (weight_fn=lambda mb: mb['mask'].sum()); MultiSteps and"
       " microbatching (MEAN) are given each micro-batch's mean.",
       _runs(args, padded, token_loss, adam,
             {multisteps: (optax.MultiSteps(adam, k), mean_of_means)}, mean_of_means),
     ),
     Case(
-      f"Clipping (global norm {CLIP:g}) and a learning-rate schedule (warm-up over {warmup}"
+      f"Clipping (global norm {clip:g}) and a learning-rate schedule (warm-up over {warmup}"
       " windows, then a cosine). ga and MultiSteps take both inside the inner optimizer;"
       " MultiSteps also as they are often added, around it (optax.chain(clip, ...),"
       " optax.inject_hyperparams); microbatching's mean gradient goes through the same chain.",
@@ -286,7 +286,7 @@ def _run(run: Run, params, bar, reference=None) -> Result:
   start_flat, losses, times, track = _flat(params), [], [], []
   for t, batches in enumerate(bar(run.windows)):
     start, window = time.perf_counter(), []
-    for batch in batches:  # equal-size micro-batches: the window loss is their mean
+    for batch in batches:  # the window's loss: the mean of its calls' (case 1's plot)
       params, state, metrics = compiled(params, state, batch)
       window.append(metrics["loss"])
     jax.block_until_ready(params)

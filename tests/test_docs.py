@@ -61,6 +61,18 @@ def test_relative_links_are_found():
   assert {"docs/usage.md", "LICENSE", "notebooks/gradient_accumulation.ipynb"} <= targets
 
 
+def test_stylesheet_scrolls_code_and_keeps_identifiers_whole():
+  """Code blocks scroll sideways with their indentation; no rule breaks inside a word (as
+  ``accum_dtype=jnp.float 32`` did); signatures show ``jnp.float32``, not its repr."""
+  css = (DOCS / "_static" / "custom.css").read_text()
+  rule = re.search(r"div\.highlight pre \{(.*?)\}", css, re.S).group(1)
+  assert "white-space: pre;" in rule and "overflow-x: auto" in rule
+  assert "anywhere" not in css and "break-all" not in css
+  conf = (DOCS / "conf.py").read_text()
+  assert re.search(r"^autodoc_preserve_defaults = True$", conf, re.M)
+  assert re.search(r'^html_css_files = \["custom.css"\]$', conf, re.M)
+
+
 def python_blocks(path):
   return re.findall(r"^ *```python\n(.*?)^ *```", path.read_text(), re.S | re.M)
 
@@ -169,6 +181,11 @@ def test_docs_python_blocks_run():
   )
   assert_trees_close(ns["fsdp_params"], one)
   assert not bool(jnp.allclose(one["hidden"]["w"], ns["mlp_params"]["hidden"]["w"]))
+  # verifying.md: a hand-written scan step on make_mesh's Explicit axes, with out_sharding=
+  # where jax asks for it, gives the whole-batch gradient.
+  assert ns["check_mesh"].axis_types == (jax.sharding.AxisType.Explicit,)
+  whole = jax.grad(ns["toy_loss"])(ns["check_params"], ns["check_batch"])
+  assert_trees_close(ns["own_grads"], whole)
   standalone = [DOCS / name for name in STANDALONE]
   others = [p for p in doc_pages() if p not in pages + standalone and python_blocks(p)]
   assert not others, f"python blocks not run by this test: {others}"
@@ -195,14 +212,18 @@ def test_sphinx_builds_without_warnings(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   index = (tmp_path / "index.html").read_text()
-  assert "Compared with other tools" in index  # the README, included
-  for page in ("api/transformation.html", "api/sizing.html", "notebooks.html"):
+  assert "Should I switch from" in index and "Compared with other tools" in index  # the README
+  for page in ("api/transformation.html", "api/sizing.html", "notebooks.html", "comparison.html"):
     assert (tmp_path / page).is_file(), page
+  assert 'href="comparison.html"' in index  # in the toctree, and linked from the decision table
   notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
   assert notebooks and all((tmp_path / "notebooks" / f"{n}.html").is_file() for n in notebooks)
   api = (tmp_path / "api" / "transformation.html").read_text()
   assert 'id="gradaccum_jax.accumulate"' in api  # autodoc rendered, not printed as text
+  # Signatures show defaults as written (autodoc_preserve_defaults), not their repr.
+  assert "jnp.float32" in api and "&lt;class" not in api
   assert "sphinx-book-theme" in index and "copybutton.js" in index  # the theme, the button
+  assert "custom.css" in index and "custom.js" in index  # code scrolls, tables fit (docs/_static)
   # Math renders offline: MathJax is loaded from the site itself, and no page loads a script,
   # stylesheet or font from the network.
   assert 'class="math' in api and 'src="../_static/mathjax/tex-chtml.js"' in api
