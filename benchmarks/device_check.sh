@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short run for a lent accelerator, the GPU rows of the performance issue: the side-by-side
-# table at the referee's sizes (benchmarks/side_by_side.py), the transformer's throughput and
+# table at the side-by-side comparison's sizes (benchmarks/side_by_side.py), the transformer's throughput and
 # memory (benchmarks/transformer.py, with the programs' peak device memory), and three rows of
 # the table again with loops recorded into CUDA graphs. About 6 minutes on an H200 (4 1/2 on
 # 2026-11-30 without the last part: 129 s and 132 s for the first two), at most 9 1/2: each

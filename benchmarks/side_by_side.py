@@ -1,7 +1,7 @@
 """Step time side by side: ga against optax.MultiSteps, optax.microbatching and a minimal scan.
 
-The same variants as the referee (``shared/bench/side_by_side.py``), in one run per
-configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the spread
+The variants of the project's step-time comparison (the file ``results/referee_b32.json``
+records one of its runs), in one run per configuration, medians of ``--rounds`` rounds of ``--reps`` windows, with the spread
 (min..max over rounds) of each ratio to the plain step:
 
   plain      jit step on the whole k*b batch (the limit: what accumulation emulates)

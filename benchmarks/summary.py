@@ -1,6 +1,6 @@
 """The README's performance summary: time and peak memory per window, ga against the anchors.
 
-One model and one size, the referee's: MLP 784-512-512-10, softmax cross-entropy, adam,
+One model and one size, the side-by-side comparison's: MLP 784-512-512-10, softmax cross-entropy, adam,
 k = 8 micro-batches of b = 32 rows (a window is one optimizer step on 256 rows). Four ways to
 take that step:
 
@@ -10,13 +10,14 @@ take that step:
   microbatching optax.microbatching.microbatch(jax.grad(loss)) then the update, in one program
 
 Time per window is read from measurements already made (nothing is timed here): the CPU from
-``results/referee_b32.json`` (a run of ``shared/bench/side_by_side.py --b 32``), the GPU from
+``results/referee_b32.json`` (a side-by-side run at b = 32, the variants of
+``side_by_side.py``), the GPU from
 ``results/side_by_side_gpu.json`` (its adam, b = 32 row). Peak memory is computed here, for the
 CPU, by compiling each program on shapes (nothing runs) for k = 2 ... 128 at b = 32:
 ``compiled.memory_analysis()``'s arguments + outputs - aliased + temp, as ``memory_floor.py``
 reads it (deterministic). The fused programs (plain, ga, microbatching) hold the whole batch of
 k * b rows as an argument; a MultiSteps call holds one micro-batch (the loader keeps the rest),
-so its peak is that of one call, whatever k.
+so its peak is that of one call, whatever k. The plot draws each peak less the batch passed in.
 
   python benchmarks/summary.py --out benchmarks/results
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -46,7 +48,7 @@ import memory_floor  # noqa: E402  (the programs and the peak, as the memory rep
 SIZES, K, B = (784, 512, 512, 10), 8, 32
 KS = (2, 4, 8, 16, 32, 64, 128)  # the memory panel: peak against k at b = 32
 METHODS = ("plain", "ga", "MultiSteps", "microbatching")
-# The variant names of side_by_side.py / the referee for each method.
+# The variant names of side_by_side.py for each method.
 TIME_KEYS = {"plain": "plain", "ga": "ga", "MultiSteps": "ms_loop", "microbatching": "microbat"}
 MIB = 2**20
 
@@ -118,9 +120,9 @@ def plot(s: dict, path: Path) -> None:
   cm, gm = s["time_meta"]["cpu"], s["time_meta"]["gpu"]
   panels = [
     (s["time_ms"]["cpu"], f"CPU: ms per window at k = {K}\n2 shared cores, jax {cm['jax']}, {cm['date']}"),
-    (s["time_ms"]["gpu"], f"GPU: ms per window at k = {K}\none H200, jax {gm['jax']}, {gm['date']}"),
+    (s["time_ms"]["gpu"], f"GPU (older program): ms per window at k = {K}\none H200, jax {gm['jax']}, {gm['date']}"),
   ]  # fmt: skip
-  fig, axes = plt.subplots(1, 3, figsize=(11, 3.6), width_ratios=(1, 1, 1.2))
+  fig, axes = plt.subplots(1, 4, figsize=(14, 3.6), width_ratios=(1, 1, 1.2, 1))
   for ax, (values, title), fmt in zip(axes, panels, ("%.1f", "%.2f"), strict=False):
     bars = ax.barh(list(METHODS)[::-1], [values[m] for m in METHODS][::-1],
                    color=[colors[m] for m in METHODS][::-1])  # fmt: skip
@@ -131,19 +133,45 @@ def plot(s: dict, path: Path) -> None:
   axes[1].set_yticklabels([])
   ax = axes[2]
   ks = [int(k) for k in s["peak_mib"]]
-  for m in METHODS:
-    ax.plot(ks, [s["peak_mib"][str(k)][m] for k in ks], "o-", ms=3, color=colors[m], label=m)
+  row = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in jax.tree.leaves(
+    memory_floor.mlp_model(SIZES, B)[2]))  # fmt: skip
+  for m in METHODS:  # the input a program is passed: the window's rows, or one micro-batch's
+    rows = [B if m == "MultiSteps" else k * B for k in ks]
+    beyond = [s["peak_mib"][str(k)][m] - r * row / MIB for k, r in zip(ks, rows, strict=True)]
+    ax.plot(ks, beyond, "o-", ms=3, color=colors[m], label=m)
   ax.axvline(K, color="0.85", lw=1, zorder=0)
   ax.set_xscale("log", base=2)
   ax.set_xticks(ks, [str(k) for k in ks])
   ax.set_xlabel(f"k (micro-batches of b = {B} rows)", fontsize=8)
-  ax.set_title(f"CPU: compiled peak MiB per window\njax {s['peak_meta']['jax']}", fontsize=9)
+  ax.set_title(
+    f"CPU: compiled peak MiB per window beyond\nthe batch passed in, jax {s['peak_meta']['jax']}",
+    fontsize=9,
+  )
   ax.tick_params(labelsize=8)
   ax.legend(fontsize=7, frameon=False)
+  _transformer_panel(axes[3], colors)
   fig.suptitle(f"One window (one optimizer step): {s['model']}", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110, metadata={"Software": None})
   plt.close(fig)
+
+
+def _transformer_panel(ax, colors) -> None:
+  """The GPU transformer run (``results/transformer_gpu.json``): tokens/s against a plain step
+  on one micro-batch, for a plain step on the whole window and for ga."""
+  t = json.loads((HERE / "results" / "transformer_gpu.json").read_text())
+  c, progs = t["config"], t["programs"]
+  names = {"plain_kb": "plain", "ga": "ga"}
+  bars = ax.barh(["ga", "plain, k b rows"], [progs["ga"]["vs_plain_b"], progs["plain_kb"]["vs_plain_b"]],
+                 color=[colors[names[n]] for n in ("ga", "plain_kb")])  # fmt: skip
+  ax.bar_label(bars, fmt="%.3f", padding=2, fontsize=8)
+  ax.set_xlim(0, 1.3)
+  ax.tick_params(labelsize=8)
+  ax.set_title(
+    f"GPU transformer, {t['params'] / 1e6:.0f} M params,\n{c['dtype']}, k = {c['k']}, H200,"
+    f" {t['meta']['date']}:\ntokens/s / plain step on b = {c['b']}",
+    fontsize=9,
+  )
 
 
 def main(argv=None):
