@@ -342,3 +342,33 @@ def test_has_updated_reads_the_state_an_nnx_optimizer_wraps():
     assert isinstance(updated, jax.Array) and updated.dtype == jnp.bool_
     seen.append(bool(updated))
   assert seen == [False, True]
+
+
+def test_micro_step_takes_an_all_param_module_and_refuses_one_with_other_variables():
+  """docs/models.md: a module of nnx.Param only is a pytree of params for ga.micro_step (equal
+  to the split model's window); one with BatchNorm statistics is refused with what to do."""
+  model, k = nnx.Linear(3, 2, rngs=nnx.Rngs(0)), 2
+  batch = {"x": jax.random.normal(jax.random.key(1), (8, 3)), "y": jnp.ones((8, 2))}
+
+  def loss(m, mb):
+    return jnp.mean((m(mb["x"]) - mb["y"]) ** 2)
+
+  tx = ga.accumulate(optax.sgd(0.5), k)
+  step, state, module = ga.micro_step(loss, tx), tx.init(model), model
+  for i in range(k):
+    module, state, _ = step(module, state, ga.microbatch(batch, i, k))
+  graphdef, params = nnx.split(model)
+  expected = optax.apply_updates(
+    params,
+    jax.tree.map(
+      lambda g: -0.5 * g, jax.grad(lambda p: loss(nnx.merge(graphdef, p), batch))(params)
+    ),
+  )
+  assert_trees_close(nnx.state(module), expected, rtol=1e-5)
+  with_stats = nnx.Sequential(
+    nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+  )
+  with pytest.raises(
+    TypeError, match=r"micro_step: params is an nnx.Sequential .*BatchStat.*nnx.split"
+  ):
+    step(with_stats, tx.init(with_stats), ga.microbatch(batch, 0, k))
