@@ -88,8 +88,8 @@ def load_digits_split(seed):
   split = model_selection.train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
   x_tr, x_te, y_tr, y_te = split
   scaler = preprocessing.StandardScaler().fit(x_tr)
-  as_f32 = lambda a: scaler.transform(a).astype(np.float32)  # noqa: E731
-  return as_f32(x_tr), y_tr.astype(np.int32), as_f32(x_te), y_te.astype(np.int32)
+  x_tr, x_te = (scaler.transform(a).astype(np.float32) for a in (x_tr, x_te))
+  return x_tr, y_tr.astype(np.int32), x_te, y_te.astype(np.int32)
 
 
 def make_windows(x, y, steps, rows, seed):
