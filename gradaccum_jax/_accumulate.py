@@ -71,7 +71,8 @@ class MicroStepState(NamedTuple):
   """State of a :func:`micro_step`: an :class:`AccumulateState` and the open window's loss sums.
 
   It answers every :class:`AccumulateState` field (``state.count``, ``state.inner_state``, ...;
-  ``acc_grads`` and ``acc_weight`` totalled over the device slots). Every mode takes it (``tx.update``, :func:`train_step`, :func:`flush` total the device slots
+  ``acc_grads`` and ``acc_weight`` totalled over the device slots). Every mode takes it
+  (``tx.update``, :func:`train_step`, :func:`flush` total the device slots
   and drop the loss sums), and :func:`micro_step` takes theirs.
 
   Attributes:
@@ -97,11 +98,17 @@ class MicroStepState(NamedTuple):
     totals (the device slots summed)."""
     if name not in AccumulateState._fields:
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-    return getattr(slot_totals(self), name)
+    # Only the sums have device slots: the counters are read without totalling them.
+    state = slot_totals(self) if name in _SLOTTED else self.accumulate
+    return getattr(state, name)
 
   @property
   def count(self) -> jax.Array:  # else tuple.count
     return self.accumulate.count
+
+
+# The AccumulateState fields that hold a leading axis of device slots in a MicroStepState.
+_SLOTTED = ("acc_grads", "acc_weight", "noise_scale")
 
 
 def slot_totals(state: Any) -> Any:
@@ -197,12 +204,6 @@ class Closed(NamedTuple):
   state: AccumulateState  # the state after the window, its accumulator cleared or as it was
   grad_norm: jax.Array  # the global norm of the window's mean gradient
   noise: tuple[jax.Array, jax.Array] | tuple[()]  # this window's |G|^2 and tr(Sigma) estimates
-
-
-# How a window is closed, by the caller's layout (docs/architecture.md, "Closing a window"):
-# "select" (undonated fused steps), "loop" (donated ones, in place), "cond" (streaming calls,
-# in their lax.cond: the updates) and "cond_apply" (a donated micro_step: the params, in place).
-CLOSE_MODES = ("select", "loop", "cond", "cond_apply")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -390,12 +391,16 @@ def _in_selects(ok, inner, acc_grads, params, inner_state):
   return new_params, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
 
 
+# How a window is closed, by the caller's layout (docs/architecture.md, "Closing a window"):
+# "select" (undonated fused steps), "loop" (donated ones, in place), "cond" (streaming calls,
+# in their lax.cond: the updates) and "cond_apply" (a donated micro_step: the params, in place).
 _CLOSERS = {
   "select": _in_selects,
   "loop": _in_loop,
   "cond": _in_cond,
   "cond_apply": functools.partial(_in_cond, apply=True),
 }
+CLOSE_MODES = tuple(_CLOSERS)
 
 
 def inner_update(inner, mean, inner_state, params, extra_args):

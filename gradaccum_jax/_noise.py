@@ -109,9 +109,8 @@ def estimates(
   :math:`A = \sum_i w_i |g_i|^2 / W`; NaN when ``n < 2`` or the window is empty."""
   valid = (ns.num > 1.5) & (acc_weight > 0)
   scale2 = 1.0 if scale is None else scale**2
-  gbar2 = (
-    sq_norm(mean_of(acc_grads, acc_weight)).astype(jnp.float32) / scale2
-  )  # the sums are of scaled gradients
+  # The sums are of scaled gradients.
+  gbar2 = sq_norm(mean_of(acc_grads, acc_weight)).astype(jnp.float32) / scale2
   mean_sq = safe_mean(ns.sq_sum, acc_weight) / scale2
   n1 = jnp.where(valid, ns.num - 1.0, 1.0)
   g2 = (ns.num * gbar2 - mean_sq) / n1
