@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # An int, or a schedule ``count -> int`` (``count``: windows closed so far).
 NumMicrobatches = int | Callable[[jax.Array], Any]
@@ -28,6 +29,13 @@ def check_int(value: Any, must: str) -> int:
   if isinstance(value, bool) or not hasattr(value, "__index__"):
     raise TypeError(must)
   return operator.index(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+  """``value``, or a TypeError naming ``name``: True or False (a NumPy bool too)."""
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"{name} must be True or False, got {value!r}.")
+  return bool(value)
 
 
 def is_inexact(x: Any) -> bool:

@@ -194,6 +194,7 @@ def linen_train_step(
   param_specs: Any = None,
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
+  grads_in_place: bool = True,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
@@ -238,6 +239,7 @@ def linen_train_step(
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
+    grads_in_place=grads_in_place,
   )  # fmt: skip
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   if gather_params != "auto":

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import jax
 
 from gradaccum_jax._checks import check_int
+from gradaccum_jax._microbatch import IN_PLACE_SCOPE
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -118,6 +119,8 @@ class StepReport:
     loops: every while loop, a ``Loop(name, computation, trip_count, nested)``.
     temp_bytes, argument_bytes, output_bytes, alias_bytes: the parts of
       ``compiled.memory_analysis()`` per device (None if the backend has none).
+    grads_in_place: whether the backward pass adds the gradients into the accumulator in place
+      (``grads_in_place``; docs/models.md, "Stacked layers").
   """
 
   collectives: tuple[Collective, ...]
@@ -126,11 +129,13 @@ class StepReport:
   argument_bytes: int | None
   output_bytes: int | None
   alias_bytes: int | None
+  grads_in_place: bool = False
 
   @classmethod
   def from_compiled(cls, compiled: Any) -> StepReport:
     """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``)."""
-    comps = _computations(compiled.as_text())
+    text = compiled.as_text()
+    comps = _computations(text)
     loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
     found, whiles = [], []
     for comp, lines in comps.items():
@@ -144,7 +149,7 @@ class StepReport:
     mem = compiled.memory_analysis()
     parts = ("temp", "argument", "output", "alias")
     sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
-    return cls(tuple(found), tuple(whiles), *sizes)
+    return cls(tuple(found), tuple(whiles), *sizes, IN_PLACE_SCOPE in text)
 
   def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -206,7 +211,8 @@ class StepReport:
     )
     head = (
       f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''}, peak"
-      f" {self.peak_bytes} bytes per device ({self._parts()})"
+      f" {self.peak_bytes} bytes per device ({self._parts()}), gradients"
+      f" {'added in place' if self.grads_in_place else 'carried'}"
     )
     counts = (self.in_loop, self.in_loop_bytes, self.after_loop, self.after_loop_bytes)
     kinds = [kind for kind in KINDS if kind in counts[0] or kind in counts[2]]

@@ -24,11 +24,21 @@ from gradaccum_jax._parts import (
   Off,
   Sums,
   SumsUnit,
+  keeps_running_means,
   mean_of,
   window_means,
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
+
+
+IN_PLACE_SCOPE = "ga_grads_in_place"
+
+
+def refs_available() -> bool:
+  """Whether this JAX adds a backward pass into a ``jax.Ref`` (``jax.vjp(...).with_refs``), with
+  the scan transposition that makes it in place for stacked layers (JAX 0.11)."""
+  return hasattr(jax, "new_ref") and jax.__version_info__ >= (0, 11)
 
 
 def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any:
@@ -97,6 +107,41 @@ class MicrobatchedGrad:
   num_microbatches: int
   noise_sums: bool = False  # also sum w_i |g_i|^2 for the noise scale (Window.noise)
 
+  def adds_in_place(self, params: Any, acc_init: Any, per_micro: Any = None) -> bool:
+    """Whether the backward pass adds each gradient into the accumulator in place
+    (``jax.vjp(...).with_refs``, docs/models.md, "Stacked layers"): where ``grads_in_place``
+    allows it, JAX has it (0.11 or later), no unit needs a micro-batch's own gradient (the noise
+    scale, a per-micro-batch reduce-scatter) and each accumulator leaf has its param's dtype."""
+    dtypes = [jnp.result_type(x) for x in jax.tree.leaves((params, acc_init))]
+    n = len(dtypes) // 2
+    return (
+      self.options.grads_in_place
+      and refs_available()
+      and not self.noise_sums
+      and per_micro is None
+      and dtypes[:n] == dtypes[n:]
+      and not keeps_running_means(acc_init)
+    )
+
+  def _into(self, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
+    """``(loss, aux, new_model_state)`` of one micro-batch whose gradient, weighted by ``w``
+    (the backward pass's seed), is added into ``refs``; weighted, a micro-batch of weight
+    ``<= 0`` runs forward only, so even a NaN adds nothing."""
+
+    @jax.named_scope(IN_PLACE_SCOPE)  # how ga.inspect_step tells (StepReport.grads_in_place)
+    def run(_):
+      out, vjp_fn, rest = jax.vjp(
+        lambda p: self._objective(p, model_state, mb, key, scale), params, has_aux=True
+      )
+      seed = jnp.ones_like(out) if w is None else jnp.broadcast_to(w.astype(out.dtype), out.shape)
+      vjp_fn.with_refs(refs)(seed)
+      return rest
+
+    def forward_only(_):
+      return self._objective(params, model_state, mb, key, scale)[1]
+
+    return run(None) if w is None else jax.lax.cond(w > 0, run, forward_only, None)
+
   def _objective(self, params, model_state, mb, key, scale):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
     dtype = self.options.compute_dtype
@@ -153,27 +198,38 @@ class MicrobatchedGrad:
       model_unit = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
     units = (sums_unit, self._noise_unit(), model_unit)
 
-    def one(i, start):
+    def one(i, start, refs=None):
       mb = microbatch(batch, i, k)
       key = None if rng is None else jax.random.fold_in(rng, i)
       p = params if per_micro is None else per_micro.gather(params, i)
+      w = opts.weighting.of(mb)
+      if refs is not None:  # added in place: the units see no gradient
+        seed = w if opts.weighting.weighted else None
+        loss, aux, new_state = self._into(refs, p, start, mb, key, scale, seed)
+        return Micro(loss, aux, (), w, new_state)
       (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, scale)
-      return Micro(loss, aux, grads, opts.weighting.of(mb), new_state)
+      return Micro(loss, aux, grads, w, new_state)
 
     like = jax.eval_shape(one, 0, model_state)
 
     def body(c: Carry, i) -> tuple[Carry, None]:
-      m = one(i, model_unit.start(c.model))
+      m = one(i, model_unit.start(c.model), refs)
       return Carry(*(unit.update(part, m) for unit, part in zip(units, c, strict=True))), None
 
     init = Carry(*(unit.init(acc_init, like) for unit in units))
     if vary:
       init = to_varying(init, vary)
+    refs = None
+    if self.adds_in_place(params, acc_init, per_micro):  # the sums' gradients live in Refs
+      refs = jax.tree.map(jax.new_ref, init.sums.grads)
+      init = init._replace(sums=init.sums._replace(grads=()))
     num = k if num_real is None else num_real
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
+    if refs is not None:
+      c = c._replace(sums=c.sums._replace(grads=jax.tree.map(jax.freeze, refs)))
     sums, noise, state = (
       unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True)
     )
@@ -195,6 +251,7 @@ def value_and_grad(
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
   gather_params: str = "once",
+  grads_in_place: bool = True,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -245,6 +302,7 @@ def value_and_grad(
     "value_and_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
+    grads_in_place=grads_in_place,
   )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
   if opts.parallel is not None:  # now for a narrow accum_dtype; at trace time for narrow params

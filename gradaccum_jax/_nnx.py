@@ -95,6 +95,7 @@ def nnx_train_step(
   jit: bool = True,
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
+  grads_in_place: bool = True,
 ) -> Callable[..., dict[str, Any]]:
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -140,6 +141,7 @@ def nnx_train_step(
     # The trained variables are an nnx.State: a nested dict of specs is read as one.
     param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
     gather_params=gather_params, memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
+    grads_in_place=grads_in_place,
   )  # fmt: skip
   if gather_params != "auto":
     return _nnx_step(nnx, opts, donate, jit)

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._checks import check_batchnorm, check_state_like
+from gradaccum_jax._checks import check_batchnorm, check_bool, check_state_like
 from gradaccum_jax._parts import Weighting
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 
@@ -108,6 +108,7 @@ class Options:
   compute_dtype: Any = None
   parallel: DataParallel | None = None
   where: str = "train_step"  # the public function the user called, for errors
+  grads_in_place: bool = True  # gradients added into the accumulator where JAX can
 
   @property
   def has_state(self) -> bool:
@@ -134,6 +135,7 @@ def make_options(
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
   momentum_from_model: bool = False,
+  grads_in_place: bool = True,
 ) -> Options:
   """Validates the options of ``where`` (a public function's name) and builds them."""
   if not callable(loss_fn):
@@ -157,4 +159,5 @@ def make_options(
       mesh, data_axis, param_specs, where, gather_params, memory_budget_bytes
     ),
     where=where,
+    grads_in_place=check_bool(grads_in_place, f"{where}: grads_in_place"),
   )

@@ -47,6 +47,7 @@ def train_step(
   param_specs: Any = None,
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
+  grads_in_place: bool = True,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -90,7 +91,7 @@ def train_step(
     "train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
-    memory_budget_bytes=memory_budget_bytes,
+    memory_budget_bytes=memory_budget_bytes, grads_in_place=grads_in_place,
   )  # fmt: skip
 
   def build(o: Options, jit: bool = True):
