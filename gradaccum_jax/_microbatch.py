@@ -31,7 +31,6 @@ from gradaccum_jax._parts import (
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
 
-
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
 
