@@ -210,7 +210,7 @@ def linen_train_step(
     inputs: the batch key of the model input, or ``inputs(microbatch)`` -> ``apply``'s arguments.
     train_kwargs: keyword arguments of every ``module.apply``, e.g. ``{"train": True}``.
     rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
-    has_aux, weight_fn, donate, jit, compute_dtype: as in :func:`train_step`.
+    has_aux, weight_fn, donate, jit, compute_dtype, grads_in_place: as in :func:`train_step`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:

@@ -194,7 +194,10 @@ class MicroStep:
     new, new_model_state = slots.local(local, params, microbatch, rng, own, model_state, scale)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    state = _with_partials(state, *_merged(own, new))
+    sums, noise = _merged(own, new)
+    if like["in_place"]:  # the micro-batch's gradient was added into the accumulator itself
+      sums = sums._replace(grads=new[0].grads)
+    state = _with_partials(state, sums, noise)
     emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
 
     # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
@@ -231,8 +234,11 @@ class MicroStep:
   def _local(self, like, params, mb, rng, own, model_state, scale, axes):
     """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model
     state; ``like["like"]``: one micro-batch's loss and aux."""
-    zeros = jax.tree.map(jnp.zeros_like, own[0].grads)
-    w = self._mg.local_sums(params, mb, rng, zeros, model_state, scale, None, axes)
+    # Without a mesh, where it can, the backward pass adds into the state's accumulator (donated:
+    # in its buffer); otherwise the micro-batch's sums start from zeros and are merged after.
+    like["in_place"] = not axes and self._mg.adds_in_place(params, own[0].grads)
+    acc = own[0].grads if like["in_place"] else jax.tree.map(jnp.zeros_like, own[0].grads)
+    w = self._mg.local_sums(params, mb, rng, acc, model_state, scale, None, axes)
     like["like"] = (w.loss_like, w.aux_like)
     # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
     devices = self._slots.devices
@@ -271,6 +277,7 @@ def micro_step(
   param_specs: Any = None,
   donate: bool = False,
   jit: bool = True,
+  grads_in_place: bool = True,
 ) -> MicroStep:
   r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
 
@@ -284,6 +291,7 @@ def micro_step(
 
   Args:
     loss_fn, has_aux, weight_fn, has_state, mesh, data_axis, param_specs: as in :func:`train_step`.
+    grads_in_place: as in :func:`train_step` (without a mesh: the slots' sums stay separate).
     tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
     donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step (default).
 
@@ -320,5 +328,6 @@ def micro_step(
     mesh=mesh,
     data_axis=data_axis,
     param_specs=param_specs,
+    grads_in_place=grads_in_place,
   )
   return MicroStep(opts, tx, donate=bool(donate), jit=bool(jit))

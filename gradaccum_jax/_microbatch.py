@@ -269,7 +269,7 @@ def value_and_grad(
     batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm statistics update:
       ``"sequential"``, ``"per_window"`` or ``"frozen"`` (docs/models.md).
     compute_dtype: float params are cast to it (e.g. ``jnp.bfloat16``) before ``loss_fn``.
-    mesh, data_axis, param_specs, gather_params: as in :func:`train_step` (call under jit).
+    mesh, data_axis, param_specs, gather_params, grads_in_place: as in :func:`train_step` (call under jit).
 
   Returns:
     ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss, grads)``

@@ -108,7 +108,7 @@ def nnx_train_step(
     batchnorm: as in :func:`value_and_grad`; ``"per_window"`` reads the ``nnx.BatchNorm`` momentum.
     param_specs: as in :func:`train_step`, shaped like ``nnx.to_pure_dict(nnx.state(model, wrt))``.
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
-    has_aux, weight_fn, compute_dtype, donate: as in :func:`train_step`.
+    has_aux, weight_fn, compute_dtype, donate, grads_in_place: as in :func:`train_step`.
     mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:

@@ -66,6 +66,9 @@ def train_step(
     batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
       ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
+    grads_in_place: where JAX can (0.11+), the backward pass adds each gradient into the
+      accumulator (``jax.vjp(...).with_refs``): on stacked layers a micro-batch's whole gradient
+      is never held (docs/models.md, "Stacked layers"); False: summed in the scan's carry.
 
   Returns:
     ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,

@@ -138,8 +138,11 @@ def test_device_check_smoke_runs_side_by_side_and_transformer(tmp_path):
   for r in progs.values():
     assert r["tokens_per_s"] > 0 and r["footprint_bytes"] > 0
   # ga scans into the state's accumulator: no more than the minimal scan (its metrics and
-  # counters: a few KiB).
-  assert progs["ga"]["footprint_bytes"] <= progs["min_scan"]["footprint_bytes"] + 4096
+  # counters: a few KiB) and, where the backward pass adds into it in place (JAX 0.11+), one
+  # block's gradient held before it is added (the smoke model stacks a single block, so nothing
+  # is saved there: tests/test_in_place.py measures what is on stacked blocks).
+  blocks = tf["config"]["layers"] * 12 * tf["config"]["d"] ** 2 * 4
+  assert progs["ga"]["footprint_bytes"] <= progs["min_scan"]["footprint_bytes"] + 4096 + blocks
   assert "| program | ms per call |" in (tmp_path / "transformer_gpu.md").read_text()
 
 

@@ -1,0 +1,291 @@
+"""Gradients added into the accumulator inside the backward pass (``grads_in_place``).
+
+Where JAX has ``jax.vjp(...).with_refs`` (0.11+), the fused step's backward pass adds each
+block's gradient into the accumulator as the transposed layer scan produces it. Checked here:
+the same results as the carried path on the same arguments (bit for bit where the sums run in
+the same order), the choice (``StepReport.grads_in_place``) in every case where it falls back,
+and the compiled memory on stacked models against a hand-written in-place scan
+(benchmarks/stacked_memory.py, the programs the report measures). On JAX 0.10 every step
+falls back, and its memory equals the carried path's exactly.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax._microbatch import refs_available
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import stacked_memory  # noqa: E402
+
+REFS = refs_available()
+K = 4
+
+
+def _stack(key, layers=3, d=8):
+  k1, k2, k3 = jax.random.split(key, 3)
+  params = {
+    "blocks": {"w": jax.random.normal(k1, (layers, d, d)) / 3, "b": jnp.zeros((layers, d))},
+    "head": jax.random.normal(k2, (d, 2)) / 3,
+  }
+  x = jax.random.normal(k3, (8 * K * 2, d))
+  batch = {"x": x, "y": jnp.tanh(x[:, :2]), "n": jnp.arange(8 * K * 2) % 3}
+  return params, batch
+
+
+def _loss(p, mb, remat=False):
+  block = jax.checkpoint(stacked_memory._block) if remat else stacked_memory._block
+  h, _ = jax.lax.scan(block, mb["x"], p["blocks"])
+  err = jnp.sum((h @ p["head"] - mb["y"]) ** 2, axis=-1)
+  mask = mb["n"] > 0
+  # A token-weighted mean: 0/0 = NaN for a micro-batch of no tokens (weight 0 adds nothing).
+  return jnp.sum(err * mask) / jnp.sum(mask), {"max_err": jnp.max(err), "tokens": jnp.sum(mask)}
+
+
+def _weight(mb):
+  return jnp.sum(mb["n"] > 0)
+
+
+def assert_close_to_scale(actual, expected, rel):
+  """Each leaf within ``rel`` of its largest magnitude (``rel=0``: bit for bit); NaN where the
+  expected value is NaN (a call's metrics that do not close a window)."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for (path, a), e in zip(
+    jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+  ):
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    assert np.array_equal(np.isnan(a), np.isnan(e)), (jax.tree_util.keystr(path), a, e)
+    a, e = np.nan_to_num(a), np.nan_to_num(e)
+    bound = rel * np.max(np.abs(e), initial=0)
+    assert np.max(np.abs(a - e), initial=0) <= bound, (jax.tree_util.keystr(path), a, e)
+
+
+def _both(make_step, params, state, batch, **call):
+  """``make_step(grads_in_place)``'s outputs for True and False, and whether True went in place."""
+  out, report = {}, None
+  for in_place in (True, False):
+    step = make_step(in_place)
+    out[in_place] = step(
+      jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state), batch, **call
+    )
+    if in_place:
+      report = ga.inspect_step(step, params, state, batch, **call)
+  return out[True], out[False], report.grads_in_place
+
+
+CASES = {
+  "plain": ({}, {}),
+  "weighted_with_an_empty_microbatch": ({"weight_fn": _weight}, {}),
+  "remat_and_bf16_compute": ({"compute_dtype": jnp.bfloat16, "loss_fn": "remat"}, {}),
+  "short_window": ({}, {"num_real_microbatches": 3}),
+  "donated": ({"donate": True}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_in_place_equals_the_carried_path(case):
+  """Params, state and metrics after two windows (the second opened by a streaming call) are
+  the carried path's: bit for bit unweighted (the sums run in the same order), within 1e-6
+  relative weighted (the weight seeds the backward pass instead of scaling its result)."""
+  step_kw, call = CASES[case]
+  params, batch = _stack(jax.random.key(1))
+  if case == "weighted_with_an_empty_microbatch":  # micro-batch 1 has no tokens
+    batch["n"] = batch["n"].at[1::K].set(0)
+  loss_fn = _loss if step_kw.pop("loss_fn", None) is None else lambda p, mb: _loss(p, mb, True)
+  tx = ga.accumulate(optax.adam(1e-2), K)
+  state = tx.init(params)
+  _, state = tx.update(jax.grad(lambda p: loss_fn(p, batch)[0])(params), state, params)  # opened
+
+  def make(in_place):
+    return ga.train_step(loss_fn, tx, has_aux=True, grads_in_place=in_place, **step_kw)
+
+  (p1, s1, m1), (p0, s0, m0), went = _both(make, params, state, batch, **call)
+  assert went == REFS
+  assert_close_to_scale((p1, s1, m1), (p0, s0, m0), 1e-6 if "weight_fn" in step_kw else 0)
+  assert bool(s1.updated) and all(np.isfinite(x).all() for x in jax.tree.leaves(p1))
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp_once", "fsdp_per_microbatch"])
+def test_in_place_on_a_mesh_equals_the_carried_path(layout):
+  """8 devices, weighted with an empty micro-batch: FSDP gathered per micro-batch reduces each
+  micro-batch's own gradient, so it is carried; the others go in place where JAX can."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params, batch = _stack(jax.random.key(2))
+  batch["n"] = batch["n"].at[1::K].set(0)
+  specs = None
+  if layout != "replicated":
+    specs = {"blocks": {"w": P(None, "data"), "b": P(None, "data")}, "head": P()}
+  gather = "per_microbatch" if layout == "fsdp_per_microbatch" else "once"
+  tx = ga.accumulate(optax.adam(1e-2), K)
+
+  def make(in_place):
+    return ga.train_step(
+      _loss, tx, has_aux=True, weight_fn=_weight, mesh=mesh, param_specs=specs,
+      gather_params=gather, grads_in_place=in_place,
+    )  # fmt: skip
+
+  (p1, s1, m1), (p0, s0, m0), went = _both(make, params, tx.init(params), batch)
+  assert went == (REFS and layout != "fsdp_per_microbatch")
+  assert_close_to_scale((p1, s1, m1), (p0, s0, m0), 1e-6)
+
+
+def _model_state_loss(p, ms, mb):
+  loss, aux = _loss(p, mb)
+  return loss, {"seen": ms["seen"] + aux["tokens"], "scale": 0.9 * ms["scale"] + 0.1 * loss}
+
+
+def test_in_place_with_model_state_loss_scale_and_value_and_grad():
+  """Model state threaded through the micro-batches, a dynamic loss scale, and
+  ga.value_and_grad: each as the carried path."""
+  params, batch = _stack(jax.random.key(3))
+  tx = ga.accumulate(optax.sgd(0.1, momentum=0.9), K, loss_scale=ga.DynamicLossScale())
+  ms = {"seen": jnp.zeros((), jnp.int32), "scale": jnp.ones(())}
+  out = {}
+  for in_place in (True, False):
+    step = ga.train_step(_model_state_loss, tx, has_state=True, grads_in_place=in_place)
+    vg = ga.value_and_grad(_loss, K, has_aux=True, grads_in_place=in_place)
+    out[in_place] = (step(params, ms, tx.init(params), batch), jax.jit(vg)(params, batch))
+  assert_close_to_scale(out[True], out[False], 0)
+
+
+def test_linen_and_nnx_stacked_models_in_place_equal_the_carried_path():
+  """ga.linen_train_step on an nn.scan model and ga.nnx_train_step on an nnx.scan model."""
+  from flax import nnx
+  from flax.training import train_state
+
+  x = jax.random.normal(jax.random.key(4), (K * 4, 16))
+  batch = {"x": x, "y": jnp.tanh(x[:, :1])}
+  net = stacked_memory._linen_net(3, 16)
+  tx = ga.accumulate(optax.adam(1e-2), K)
+  params = net.init(jax.random.key(5), x[:1])["params"]
+  out = {}
+  for in_place in (True, False):
+    ts = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+    step = ga.linen_train_step(
+      net, lambda y, mb: jnp.mean((y - mb["y"]) ** 2), grads_in_place=in_place
+    )
+    assert ga.inspect_step(step, ts, batch).grads_in_place == (REFS and in_place)
+    ts, metrics = step(ts, batch)
+    model = stacked_memory._nnx_net(3, 16)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    nnx_step = ga.nnx_train_step(
+      lambda m, mb: jnp.mean((m(mb["x"]) - mb["y"]) ** 2), grads_in_place=in_place
+    )
+    nnx_metrics = nnx_step(model, optimizer, batch)
+    out[in_place] = (ts.params, ts.opt_state, metrics, nnx.state(model), nnx_metrics)
+  assert_close_to_scale(out[True], out[False], 0)
+
+
+def _report(params, tx, **kw):
+  batch = _stack(jax.random.key(0))[1]
+  step = ga.train_step(_loss, tx, has_aux=True, **kw)
+  return ga.inspect_step(step, params, tx.init(params), batch).grads_in_place
+
+
+def test_where_it_falls_back_and_the_report_says_so():
+  """In place only where every accumulator leaf has its param's dtype and no unit needs a
+  micro-batch's own gradient; the report's line says which path the program took."""
+  params = _stack(jax.random.key(0))[0]
+  adam = optax.adam(1e-3)
+  assert _report(params, ga.accumulate(adam, K)) == REFS
+  assert not _report(params, ga.accumulate(adam, K), grads_in_place=False)
+  assert not _report(params, ga.accumulate(adam, K, noise_scale_ema=0.9))
+  assert not _report(params, ga.accumulate(adam, K, accum_dtype=jnp.bfloat16))  # running mean
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  assert not _report(half, ga.accumulate(adam, K))  # a float32 sum of bfloat16 params
+  assert _report(half, ga.accumulate(adam, K, accum_dtype=None)) is False  # bf16 running mean
+  line = repr(ga.inspect_step(ga.train_step(_loss, ga.accumulate(adam, K), has_aux=True),
+                              params, ga.accumulate(adam, K).init(params), _stack(jax.random.key(0))[1]))  # fmt: skip
+  assert ("gradients added in place" if REFS else "gradients carried") in line
+
+
+def test_grads_in_place_must_be_a_bool():
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  for make in (
+    lambda: ga.train_step(_loss, tx, grads_in_place="yes"),
+    lambda: ga.value_and_grad(_loss, K, grads_in_place=1),
+    lambda: ga.linen_train_step(None, _loss, grads_in_place=None),
+    lambda: ga.nnx_train_step(_loss, grads_in_place="no"),
+  ):
+    with pytest.raises(TypeError, match="grads_in_place must be True or False"):
+      make()
+
+
+def _over(r, name, floor):
+  return (r[name] - r[floor]) / r["A"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", stacked_memory.FRONTS)
+@pytest.mark.parametrize("layers,k", [(4, 8), (8, 8), (8, 32)])
+def test_a_stacked_model_holds_what_a_hand_written_in_place_scan_holds(front, layers, k):
+  """Donated, adam: the fused step's peak is the hand-written Ref scan's within 0.1 A, about
+  (1 - 1/L) A below the carried path's; on JAX 0.10 it falls back, equal to the carried path."""
+  r = stacked_memory.stacked_bytes(front, layers, k)
+  if not REFS:
+    assert r["ga"] == r["ga_carried"], r
+    return
+  assert r["ga"] <= r["ref_scan"] + 0.1 * r["A"], r
+  assert _over(r, "ga_carried", "ga") >= 1 - 1 / layers - 0.15, r
+  assert r["ga_carried"] <= r["carry_scan"] + 0.05 * r["A"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+@pytest.mark.parametrize("layers,k", [(4, 8), (8, 32)])
+def test_on_8_devices_a_stacked_model_holds_what_a_shard_map_ref_scan_holds(layout, layers, k):
+  """Per device, against a hand-written shard_map Ref scan (no accumulator between windows):
+  replicated within 0.1 A (the Ref is the state's donated accumulator); FSDP gathered once,
+  one device-A more and no other, the state's 1/D shard of the accumulator, which the floor
+  does not keep (streaming calls share the window through it)."""
+  r = stacked_memory.mesh_stacked_bytes(layout, layers, k)
+  if not REFS:
+    assert r["ga"] == r["ga_carried"], r
+    return
+  extra = 0 if layout == "replicated" else 1
+  assert r["ga"] <= r["ref_scan"] + (extra + 0.1) * r["A"], r
+  assert r["ga"] < r["ga_carried"], r
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_micro_step_in_place_equals_the_carried_path(weighted):
+  """ga.micro_step (no mesh) over a window and a half, weighted with an empty micro-batch or not:
+  params, state and metrics as with grads_in_place=False, bit for bit unweighted."""
+  params, batch = _stack(jax.random.key(6))
+  if weighted:
+    batch["n"] = batch["n"].at[1::K].set(0)
+  tx = ga.accumulate(optax.adam(1e-2), K)
+  out = {}
+  for in_place in (True, False):
+    step = ga.micro_step(
+      _loss, tx, has_aux=True, weight_fn=_weight if weighted else None, grads_in_place=in_place
+    )
+    p, s = params, step.init(params, ga.microbatch(batch, 0, K))
+    for i in range(K + 2):
+      p, s, m = step(p, s, ga.microbatch(batch, i % K, K))
+      if i == K - 1:
+        closed = m
+    out[in_place] = (p, s, closed, m)
+  assert bool(out[True][2]["updated"])
+  assert_close_to_scale(out[True], out[False], 1e-6 if weighted else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [4, 8])
+def test_a_micro_step_on_stacked_blocks_holds_what_a_hand_written_in_place_call_holds(layers):
+  """Donated, adam: one ga.micro_step call holds the hand-written in-place call's peak within
+  0.1 A (its accumulator the state's, donated; one block's gradient), 1 - 1/L A less than the
+  carried call; on JAX 0.10 it falls back, equal to the carried call."""
+  r = stacked_memory.streaming_stacked_bytes(layers)
+  if not REFS:
+    assert r["micro"] == r["micro_carried"], r
+    return
+  assert r["micro"] <= r["ref_call"] + 0.1 * r["A"], r
+  assert _over(r, "micro_carried", "micro") >= 1 - 1 / layers - 0.05, r
