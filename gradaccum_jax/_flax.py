@@ -195,6 +195,7 @@ def linen_train_step(
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
   grads_in_place: bool = True,
+  aux_reduce: Any = None,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
@@ -210,7 +211,8 @@ def linen_train_step(
     inputs: the batch key of the model input, or ``inputs(microbatch)`` -> ``apply``'s arguments.
     train_kwargs: keyword arguments of every ``module.apply``, e.g. ``{"train": True}``.
     rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
-    has_aux, weight_fn, donate, jit, compute_dtype, grads_in_place: as in :func:`train_step`.
+    has_aux, weight_fn, donate, jit, compute_dtype, grads_in_place, aux_reduce: as in
+      :func:`train_step`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:
@@ -239,7 +241,7 @@ def linen_train_step(
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
-    grads_in_place=grads_in_place,
+    grads_in_place=grads_in_place, aux_reduce=aux_reduce,
   )  # fmt: skip
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   if gather_params != "auto":

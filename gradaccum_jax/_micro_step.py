@@ -29,7 +29,7 @@ from gradaccum_jax._checks import (
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Sums, keep_if_voided, sum_dtype, window_means
+from gradaccum_jax._parts import Sums, keep_if_voided, window_means
 from gradaccum_jax._sharding import Slots, place_params
 
 
@@ -49,11 +49,11 @@ def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepSt
   return state._replace(accumulate=acc, loss_sum=sums.loss, aux_sum=sums.aux)
 
 
-def _merged(own: tuple[Sums, Any], new: tuple[Sums, Any]) -> tuple[Sums, Any]:
+def _merged(own: tuple[Sums, Any], new: tuple[Sums, Any], reducers) -> tuple[Sums, Any]:
   """The sums and noise sums ``own`` after the micro-batch's ``new``: by the one accumulation
   rule of every mode (``Sums.merged``); the noise sums add."""
   noise = jax.tree.map(lambda x, y: x + y.astype(x.dtype), own[1], new[1])
-  return own[0].merged(new[0]), noise
+  return own[0].merged(new[0], reducers), noise
 
 
 class MicroStepLayout:
@@ -62,6 +62,7 @@ class MicroStepLayout:
 
   def __init__(self, acc: Any, opts: Options, slots: Slots):
     self._acc, self._loss, self.slots = acc, opts.loss, slots
+    self._reducers = opts.aux_reduce
 
   def check(self, state: Any) -> MicroStepState:
     if isinstance(state, AccumulateState):
@@ -81,16 +82,15 @@ class MicroStepLayout:
     if self._loss.has_aux and state.aux_sum is None:
       key = None if rng is None else jax.random.key(0)
       _, aux, _ = jax.eval_shape(self._loss.call, params, model_state, microbatch, key)
-      state = state._replace(aux_sum=jax.tree.map(lambda a: jnp.zeros(a.shape, sum_dtype(a)), aux))
+      state = state._replace(aux_sum=self._reducers.init(aux))
     weight = state.accumulate.acc_weight
     slots = jnp.shape(weight)[0] if jnp.ndim(weight) else None
     if slots == (None if self.slots.dp is None else self.slots.devices):
       return state
     sums, noise = _partials(slot_totals(state), state.loss_sum, state.aux_sum)
     if slots is not None:  # the loss and aux sums (the others are totalled)
-      loss, aux = jax.tree.map(lambda x: jnp.sum(x, 0), (sums.loss, sums.aux))
-      sums = sums._replace(loss=loss, aux=aux)
-    return _with_partials(state, *self.slots.first(sums, noise, params))
+      sums = sums._replace(loss=jnp.sum(sums.loss, 0), aux=self._reducers.over_slots(sums.aux))
+    return _with_partials(state, *self.slots.first(sums, noise, params, self._reducers))
 
   def convert(self, state: Any, like: MicroStepState) -> MicroStepState:
     """``state`` in the layout of ``like`` (:meth:`MicroStep.convert_state`)."""
@@ -103,9 +103,9 @@ class MicroStepLayout:
       )
     if (state.accumulate.noise_scale is None) != (like.accumulate.noise_scale is None):
       raise ValueError("convert_state: the saved state and this step differ in noise_scale.")
-    if state.aux_sum is None and like.aux_sum is not None:  # zeros, shaped as one slot
+    if state.aux_sum is None and like.aux_sum is not None:  # empty, shaped as one slot
       one = like.aux_sum if self.slots.dp is None else jax.tree.map(lambda x: x[0], like.aux_sum)
-      state = state._replace(aux_sum=jax.tree.map(jnp.zeros_like, one))
+      state = state._replace(aux_sum=self._reducers.init(one))
     return self.place(state, slot_totals(like).acc_grads, None, None, None)
 
 
@@ -194,7 +194,7 @@ class MicroStep:
     new, new_model_state = slots.local(local, params, microbatch, rng, own, model_state, scale)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    sums, noise = _merged(own, new)
+    sums, noise = _merged(own, new, self._opts.aux_reduce)
     if like["in_place"]:  # the micro-batch's gradient was added into the accumulator itself
       sums = sums._replace(grads=new[0].grads)
     state = _with_partials(state, sums, noise)
@@ -210,7 +210,8 @@ class MicroStep:
 
     def close(params, new_model_state, state):
       args = (params, new_model_state, state, like["like"])
-      return jnp.ones((), bool), *_close_window(self._acc, slots, mode, has_aux, *args)
+      reducers = self._opts.aux_reduce
+      return jnp.ones((), bool), *_close_window(self._acc, slots, mode, has_aux, reducers, *args)
 
     def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
       closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
@@ -223,7 +224,10 @@ class MicroStep:
     closed, out, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, params, new_model_state, state
     )
-    empty = jax.tree.map(lambda x: jnp.where(closed, jnp.zeros_like(x), x), _partials(state))
+    sums, noise = _partials(state)
+    start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max's or min's its identity
+    start = (start[0]._replace(aux=self._opts.aux_reduce.init(sums.aux)), start[1])
+    empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
     new_params = place_params(slots.dp, out if in_place else optax.apply_updates(params, out))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
     # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
@@ -245,15 +249,15 @@ class MicroStep:
     return self._mg.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
 
 
-def _close_window(acc, slots, mode, has_aux, params, new_model_state, state, like):
+def _close_window(acc, slots, mode, has_aux, reducers, params, new_model_state, state, like):
   """The call that closes the window: the slots reduced, one inner update of ``acc``
   (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics; ``like``:
   one micro-batch's loss and aux (for the means' dtypes)."""
   own = _partials(state)
-  totals, total_noise = slots.reduce(params, own)
+  totals, total_noise = slots.reduce(params, own, reducers)
   acc_state = state.accumulate
   acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
-  loss, aux = window_means(totals, *like)
+  loss, aux = window_means(totals, *like, reducers)
   extra = {"value": loss, "grad": MEAN_GRADIENT}
   closed = acc.close(totals.grads, totals.weight, acc_state, params, params, extra, mode)
   # The partial sums as they were: the caller clears them after its lax.cond.
@@ -278,6 +282,7 @@ def micro_step(
   donate: bool = False,
   jit: bool = True,
   grads_in_place: bool = True,
+  aux_reduce: Any = None,
 ) -> MicroStep:
   r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
 
@@ -292,6 +297,7 @@ def micro_step(
   Args:
     loss_fn, has_aux, weight_fn, has_state, mesh, data_axis, param_specs: as in :func:`train_step`.
     grads_in_place: as in :func:`train_step` (without a mesh: the slots' sums stay separate).
+    aux_reduce: as in :func:`train_step`; the open window's reductions are state.
     tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
     donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step (default).
 
@@ -329,5 +335,6 @@ def micro_step(
     data_axis=data_axis,
     param_specs=param_specs,
     grads_in_place=grads_in_place,
+    aux_reduce=aux_reduce,
   )
   return MicroStep(opts, tx, donate=bool(donate), jit=bool(jit))

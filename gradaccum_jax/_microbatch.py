@@ -20,6 +20,7 @@ from gradaccum_jax._model_state import ModelStateUnit
 from gradaccum_jax._noise import NoiseSums, NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
+  AuxReducers,
   Micro,
   Off,
   Sums,
@@ -92,10 +93,11 @@ class Window(NamedTuple):
   loss_like: jax.ShapeDtypeStruct  # one micro-batch's loss ...
   aux_like: Any  # ... and aux
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
+  reducers: AuxReducers = AuxReducers()
 
   def means(self) -> tuple[jax.Array, Any]:
-    """The weighted mean loss and aux (:func:`window_means`)."""
-    return window_means(self.sums, self.loss_like, self.aux_like)
+    """The weighted mean loss and the reduced aux (:func:`window_means`)."""
+    return window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +113,13 @@ class MicrobatchedGrad:
     (``jax.vjp(...).with_refs``, docs/models.md, "Stacked layers"): where ``grads_in_place``
     allows it, JAX has it (0.11 or later), no unit needs a micro-batch's own gradient (the noise
     scale, a per-micro-batch reduce-scatter) and each accumulator leaf has its param's dtype."""
-    dtypes = [jnp.result_type(x) for x in jax.tree.leaves((params, acc_init))]
-    n = len(dtypes) // 2
-    return (
-      self.options.grads_in_place
-      and refs_available()
-      and not self.noise_sums
-      and per_micro is None
-      and dtypes[:n] == dtypes[n:]
-      and not keeps_running_means(acc_init)
-    )
+    if not (self.options.grads_in_place and refs_available()):
+      return False
+    # A Ref takes the cotangent's dtype and sharding type: each param's.
+    types = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(params)]
+    acc = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(acc_init)]
+    running = keeps_running_means(acc_init)  # a narrow float keeps a mean, not a sum
+    return not self.noise_sums and per_micro is None and types == acc and not running
 
   def _into(self, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
     """``(loss, aux, new_model_state)`` of one micro-batch whose gradient, weighted by ``w``
@@ -172,11 +171,18 @@ class MicrobatchedGrad:
 
   def per_device(self, sums: Sums, noise: Any, devices: int, num: Any) -> tuple[Sums, Any]:
     """The window's sums and noise sums after the sum over ``devices``: each unit's share."""
-    sums = SumsUnit(self.options.weighting).per_device(sums, devices, num)
+    sums = self._sums_unit().per_device(sums, devices, num)
     return sums, self._noise_unit().per_device(noise, devices, num)
 
   def seed_factor(self, devices: int) -> int:
-    return SumsUnit(self.options.weighting).seed_factor(devices)
+    return self._sums_unit().seed_factor(devices)
+
+  def _sums_unit(self) -> SumsUnit:
+    return SumsUnit(self.options.weighting, self.options.aux_reduce)
+
+  @property
+  def reducers(self) -> AuxReducers:
+    return self.options.aux_reduce
 
   def local_sums(
     self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
@@ -189,7 +195,7 @@ class MicrobatchedGrad:
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
-    sums_unit = SumsUnit(opts.weighting)
+    sums_unit = self._sums_unit()
     if per_micro is not None:
       sums_unit = per_micro.wrap(sums_unit)
     model_unit = Off(None)
@@ -232,7 +238,7 @@ class MicrobatchedGrad:
     sums, noise, state = (
       unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True)
     )
-    return Window(sums, noise, state, like.loss, like.aux, num)
+    return Window(sums, noise, state, like.loss, like.aux, num, opts.aux_reduce)
 
 
 def value_and_grad(
@@ -251,6 +257,7 @@ def value_and_grad(
   param_specs: Any = None,
   gather_params: str = "once",
   grads_in_place: bool = True,
+  aux_reduce: Any = None,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -269,7 +276,8 @@ def value_and_grad(
     batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm statistics update:
       ``"sequential"``, ``"per_window"`` or ``"frozen"`` (docs/models.md).
     compute_dtype: float params are cast to it (e.g. ``jnp.bfloat16``) before ``loss_fn``.
-    mesh, data_axis, param_specs, gather_params, grads_in_place: as in :func:`train_step` (call under jit).
+    mesh, data_axis, param_specs, gather_params, grads_in_place, aux_reduce: as in
+      :func:`train_step` (call under jit).
 
   Returns:
     ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss, grads)``
@@ -301,7 +309,7 @@ def value_and_grad(
     "value_and_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
-    grads_in_place=grads_in_place,
+    grads_in_place=grads_in_place, aux_reduce=aux_reduce,
   )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
   if opts.parallel is not None:  # now for a narrow accum_dtype; at trace time for narrow params

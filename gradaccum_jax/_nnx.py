@@ -96,6 +96,7 @@ def nnx_train_step(
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
   grads_in_place: bool = True,
+  aux_reduce: Any = None,
 ) -> Callable[..., dict[str, Any]]:
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -108,7 +109,8 @@ def nnx_train_step(
     batchnorm: as in :func:`value_and_grad`; ``"per_window"`` reads the ``nnx.BatchNorm`` momentum.
     param_specs: as in :func:`train_step`, shaped like ``nnx.to_pure_dict(nnx.state(model, wrt))``.
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
-    has_aux, weight_fn, compute_dtype, donate, grads_in_place: as in :func:`train_step`.
+    has_aux, weight_fn, compute_dtype, donate, grads_in_place, aux_reduce: as in
+      :func:`train_step`.
     mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:
@@ -141,7 +143,7 @@ def nnx_train_step(
     # The trained variables are an nnx.State: a nested dict of specs is read as one.
     param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
     gather_params=gather_params, memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
-    grads_in_place=grads_in_place,
+    grads_in_place=grads_in_place, aux_reduce=aux_reduce,
   )  # fmt: skip
   if gather_params != "auto":
     return _nnx_step(nnx, opts, donate, jit)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import check_batchnorm, check_bool, check_state_like
-from gradaccum_jax._parts import Weighting
+from gradaccum_jax._parts import AUX_REDUCERS, AuxReducers, Weighting
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 
 
@@ -109,6 +109,7 @@ class Options:
   parallel: DataParallel | None = None
   where: str = "train_step"  # the public function the user called, for errors
   grads_in_place: bool = True  # gradients added into the accumulator where JAX can
+  aux_reduce: AuxReducers = AuxReducers()  # how each aux leaf is reduced over a window
 
   @property
   def has_state(self) -> bool:
@@ -136,6 +137,7 @@ def make_options(
   memory_budget_bytes: int | None = None,
   momentum_from_model: bool = False,
   grads_in_place: bool = True,
+  aux_reduce: Any = None,
 ) -> Options:
   """Validates the options of ``where`` (a public function's name) and builds them."""
   if not callable(loss_fn):
@@ -149,6 +151,15 @@ def make_options(
     compute_dtype = jnp.dtype(compute_dtype)
     if not jnp.issubdtype(compute_dtype, jnp.floating):
       raise ValueError(f"{where}: compute_dtype={compute_dtype} must be a float dtype.")
+  names = jax.tree.leaves(aux_reduce)
+  if names and not has_aux:
+    raise ValueError(f"{where}: aux_reduce={aux_reduce!r} is given without has_aux=True.")
+  for name in names:
+    if name not in AUX_REDUCERS:
+      raise ValueError(
+        f"{where}: aux_reduce names the reducer {name!r}; each leaf must be one of"
+        f" {AUX_REDUCERS} (or None for the default)."
+      )
   return Options(
     loss=LossSpec(loss_fn, bool(has_aux), bool(has_state)),
     weighting=Weighting(weight_fn),
@@ -160,4 +171,5 @@ def make_options(
     ),
     where=where,
     grads_in_place=check_bool(grads_in_place, f"{where}: grads_in_place"),
+    aux_reduce=AuxReducers(aux_reduce),
   )

@@ -36,11 +36,12 @@ class Sums(NamedTuple):
   loss: jax.Array  # sum_i w_i L_i, in the loss's precision (at least float32)
   aux: Any  # inexact leaves: sum_i w_i aux_i; integer and bool leaves: sum_i aux_i
 
-  def merged(self, more: Sums) -> Sums:
+  def merged(self, more: Sums, reducers: AuxReducers) -> Sums:
     """These sums and ``more`` (of later micro-batches) as one window's, by the one rule."""
     grads = merge_gradients(self.grads, self.weight, more.grads, more.weight)
     # Promoted: a float64 loss widens a float32 sum that a state was made with.
-    loss, aux = jax.tree.map(jnp.add, (self.loss, self.aux), (more.loss, more.aux))
+    loss = self.loss + more.loss
+    aux = reducers.merged(self.aux, more.aux, more.weight)
     return Sums(grads, self.weight + more.weight, loss, aux)
 
 
@@ -69,14 +70,13 @@ def keeps_running_means(acc: Any) -> bool:
   return any(map(is_running_mean, jax.tree.leaves(acc)))
 
 
-def window_means(sums: Sums, loss_like: Any, aux_like: Any) -> tuple[jax.Array, Any]:
-  """The window's weighted mean loss and aux, in the dtypes ``loss_fn`` returned (``*_like``:
-  one micro-batch's); integer aux leaves are sums."""
-
-  def mean(total, like):
-    return safe_mean(total, sums.weight).astype(like.dtype) if is_inexact(like) else total
-
-  return mean(sums.loss, loss_like), jax.tree.map(mean, sums.aux, aux_like)
+def window_means(
+  sums: Sums, loss_like: Any, aux_like: Any, reducers: AuxReducers | None = None
+) -> tuple[jax.Array, Any]:
+  """The window's weighted mean loss and its aux as ``reducers`` say (by default integer leaves
+  summed), in the dtypes ``loss_fn`` returned (``*_like``: one micro-batch's)."""
+  loss = safe_mean(sums.loss, sums.weight).astype(loss_like.dtype)
+  return loss, (reducers or AuxReducers()).final(sums.aux, sums.weight, aux_like)
 
 
 def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
@@ -188,25 +188,168 @@ class Weighting:
     return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
 
 
+AUX_REDUCERS = ("mean", "sum", "max", "min", "last")
+
+
+def _default_reducer(x: Any) -> str:
+  return "mean" if is_inexact(x) else "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxReducers:
+  """How each aux leaf is reduced over a window (``aux_reduce=``; docs/usage.md, "Window
+  statistics"): ``"mean"`` (weighted by the micro-batches' weights; the default of float
+  leaves), ``"sum"`` (over the micro-batches and devices; the default of integer and bool
+  leaves), ``"max"``, ``"min"`` (over the micro-batches and devices; -inf and +inf for a window
+  of no positive weight) or ``"last"`` (the last micro-batch of positive weight; on a mesh, the
+  mean of the devices' values for it). Micro-batches of weight <= 0 are left out of all."""
+
+  spec: Any = None  # None, a name, or a pytree prefix of the aux with names (None: default)
+
+  def ops(self, aux: Any) -> Any:
+    """A tree like ``aux`` of each leaf's reducer; a ValueError for a spec that is not a prefix
+    of ``aux`` or that asks a mean of an integer leaf."""
+    if self.spec is None:
+      return jax.tree.map(_default_reducer, aux)
+    try:
+      spec = jax.tree.broadcast(self.spec, aux, is_leaf=lambda x: x is None or isinstance(x, str))
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+        f"aux_reduce={self.spec!r} must be one of {AUX_REDUCERS} or a pytree prefix of the aux"
+        f" loss_fn returns, {jax.tree.structure(aux)}, with those names (or None) as leaves."
+        f" ({e})"
+      ) from None
+    specs = jax.tree.structure(aux).flatten_up_to(spec)
+    out = []
+    for (path, x), op in zip(jax.tree_util.tree_leaves_with_path(aux), specs, strict=True):
+      op = _default_reducer(x) if op is None else op
+      if op == "mean" and not is_inexact(x):
+        raise ValueError(
+          f"aux_reduce asks the mean of the integer aux leaf {jax.tree_util.keystr(path)}"
+          f" ({jnp.result_type(x)}): a weighted mean is a float; use 'sum', or return a float."
+        )
+      out.append(op)
+    return jax.tree.structure(aux).unflatten(out)
+
+  def _map(self, fn: Callable[..., Any], aux: Any, *rest: Any) -> Any:
+    return jax.tree.map(fn, self.ops(aux), aux, *rest)
+
+  def init(self, like: Any) -> Any:
+    """Each leaf's start: 0 for a sum or "last", the identity of "max" and "min"."""
+
+    def one(op, x):
+      dtype = sum_dtype(x) if op in ("mean", "sum") else jnp.result_type(x)
+      return jnp.full(jnp.shape(x), _identity(op, dtype), dtype)
+
+    return self._map(one, like)
+
+  def add(self, acc: Any, aux: Any, w: jax.Array, weighted: bool) -> Any:
+    """``acc`` after one micro-batch's ``aux`` of weight ``w``."""
+    real = w > 0
+
+    def one(op, a, x):
+      x = jnp.asarray(x)
+      if op == "mean":
+        return a + (jnp.where(real, x.astype(a.dtype) * w.astype(a.dtype), 0) if weighted else x)
+      if op == "sum":
+        return a + (jnp.where(real, x, 0) if weighted else x).astype(a.dtype)
+      if op == "last":
+        return jnp.where(real, x, a).astype(a.dtype) if weighted else x.astype(a.dtype)
+      return _peak(op, a, jnp.where(real, x, _identity(op, a.dtype)) if weighted else x)
+
+    return self._map(one, acc, aux)
+
+  def merged(self, acc: Any, more: Any, more_weight: jax.Array) -> Any:
+    """Two windows' reductions as one (``more`` of later micro-batches, of total weight
+    ``more_weight``)."""
+
+    def one(op, a, b):
+      if op == "last":
+        return jnp.where(more_weight > 0, b, a).astype(a.dtype)
+      return a + b.astype(a.dtype) if op in ("mean", "sum") else _peak(op, a, b)
+
+    return self._map(one, acc, more)
+
+  def per_device(self, aux: Any, devices: int, weighted: bool) -> Any:
+    """Before the sum over ``devices`` (``over_devices``): unweighted means, and "last", divided by
+    ``devices``, so that their sum is the mean of the devices' values."""
+
+    def one(op, x):
+      divide = op == "last" or (op == "mean" and not weighted)
+      return x / devices if divide and is_inexact(x) else x
+
+    return self._map(one, aux)
+
+  def split(self, aux: Any) -> tuple[Any, Any, Any]:
+    """``aux`` as three trees like it: the leaves summed over devices, maxed, minned (the others
+    None in each)."""
+    ops = self.ops(aux)
+
+    def pick(want):
+      return jax.tree.map(lambda op, x: x if (op in want) else None, ops, aux)
+
+    return pick(("mean", "sum", "last")), pick(("max",)), pick(("min",))
+
+  def join(self, summed: Any, maxed: Any, minned: Any) -> Any:
+    """The three trees of :meth:`split` (each reduced over the devices) as one."""
+    leaves = [
+      [x for x in jax.tree.leaves(t, is_leaf=lambda v: v is None)] for t in (summed, maxed, minned)
+    ]
+    out = [next(x for x in xs if x is not None) for xs in zip(*leaves, strict=True)]
+    return jax.tree.structure(summed, is_leaf=lambda v: v is None).unflatten(out)
+
+  def over_slots(self, aux: Any) -> Any:
+    """``aux`` with a leading axis of device slots reduced (summed, or maxed, minned)."""
+
+    def one(op, x):
+      return {"max": jnp.max, "min": jnp.min}.get(op, jnp.sum)(x, 0)
+
+    return self._map(one, aux)
+
+  def final(self, total: Any, weight: jax.Array, like: Any) -> Any:
+    """The window's aux from its reductions, in the dtypes ``loss_fn`` returned (``like``)."""
+
+    def one(op, t, x):
+      if op == "mean":
+        return safe_mean(t, weight).astype(jnp.result_type(x))
+      return t.astype(jnp.result_type(x)) if is_inexact(x) else t
+
+    return self._map(one, total, like)
+
+
+def _identity(op: str, dtype: Any) -> Any:
+  """The start of a reduction: 0, or the lowest (``max``) or highest (``min``) value."""
+  if op not in ("max", "min"):
+    return 0
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return op == "min"
+  info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return -jnp.inf if op == "max" else jnp.inf
+  return info.min if op == "max" else info.max
+
+
+def _peak(op: str, a: jax.Array, x: Any) -> jax.Array:
+  return (jnp.maximum if op == "max" else jnp.minimum)(a, jnp.asarray(x).astype(a.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class SumsUnit:
   """Gradient, weight, loss and aux sums (always on)."""
 
   weighting: Weighting
+  reducers: AuxReducers
 
   def init(self, acc_init: Any, like: Micro) -> Sums:
-    def zeros(x):
-      return jnp.zeros(jnp.shape(x), sum_dtype(x))
-
-    return Sums(
-      acc_init, jnp.zeros((), jnp.float32), zeros(like.loss), jax.tree.map(zeros, like.aux)
-    )
+    loss = jnp.zeros(jnp.shape(like.loss), sum_dtype(like.loss))
+    return Sums(acc_init, jnp.zeros((), jnp.float32), loss, self.reducers.init(like.aux))
 
   def update(self, s: Sums, m: Micro) -> Sums:
     w, wt = m.weight, self.weighting
     grads = add_gradients(s.grads, m.grads, w, s.weight, wt)
     weight = s.weight if self.counted_after(s) else s.weight + wt.total(w)
-    return Sums(grads, weight, wt.add(s.loss, m.loss, w), wt.add(s.aux, m.aux, w))
+    aux = self.reducers.add(s.aux, m.aux, w, wt.weighted)
+    return Sums(grads, weight, wt.add(s.loss, m.loss, w), aux)
 
   def counted_after(self, s: Sums) -> bool:
     """Whether the total weight (unweighted: the number of micro-batches) is added after the
@@ -222,9 +365,10 @@ class SumsUnit:
   def per_device(self, s: Sums, devices: int, num: Any) -> Sums:
     """After the sum over ``devices``: unweighted, a device's micro-batch weighs ``1 / devices``,
     so global micro-batch ``i`` weighs 1, as on one device, and the total weight is ``num``."""
+    aux = self.reducers.per_device(s.aux, devices, self.weighting.weighted)
     if self.weighting.weighted:
-      return s
-    grads, loss, aux = _divided((s.grads, s.loss, s.aux), devices)
+      return s._replace(aux=aux)
+    grads, loss = _divided((s.grads, s.loss), devices)
     return Sums(grads, jnp.asarray(num, jnp.float32), loss, aux)
 
   def seed_factor(self, devices: int) -> int:

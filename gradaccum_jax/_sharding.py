@@ -331,7 +331,7 @@ class PerMicrobatch:
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
   def wrap(self, unit: SumsUnit) -> ScatteredSumsUnit:
-    return ScatteredSumsUnit(unit.weighting, self.plans)
+    return ScatteredSumsUnit(unit.weighting, unit.reducers, self.plans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,15 +351,19 @@ class ScatteredSumsUnit(SumsUnit):
 
 
 def reduce_over_data(
-  plans: list[_LeafPlan], grads: list[jax.Array], extra: Any, axes: tuple[str, ...], scattered: bool
-) -> tuple[list[jax.Array], Any]:
+  plans: list[_LeafPlan], grads: list[jax.Array], extra: Any, axes: tuple[str, ...],
+  scattered: bool, peaks: tuple[Any, Any] | None = None,
+) -> tuple[list[jax.Array], Any]:  # fmt: skip
   """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes:
   one tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
   sharded over data and model axes (each device keeps its shard), one reduce-scatter per param
   sharded over data axes only, unless ``scattered`` (reduced in the loop, per micro-batch): then
-  only summed over the data axes it is replicated over."""
+  only summed over the data axes it is replicated over. ``peaks``: two more trees, maxed and
+  minned over the axes (then ``extra`` comes back as ``(extra, maxed, minned)``)."""
   whole = [p.dim is None or (p.model and not scattered) for p in plans]
   summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
+  if peaks is not None:  # aux leaves reduced by max and by min
+    extra = (extra, jax.lax.pmax(peaks[0], axes), jax.lax.pmin(peaks[1], axes))
   it, out = iter(summed), []
   for g, p, w in zip(grads, plans, whole, strict=True):
     if w:
@@ -369,6 +373,19 @@ def reduce_over_data(
       g = g if scattered else p.scatter(g)
       out.append(jax.lax.psum(g, p.rest) if p.rest else g)
   return out, extra
+
+
+def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) -> tuple:
+  """:func:`reduce_over_data` of a device's window sums and noise sums: ``(grad leaves, (sums
+  without grads, noise))``, each aux leaf reduced as ``reducers`` say."""
+  summed, maxed, minned = reducers.split(sums.aux)
+  peaks = None if not jax.tree.leaves((maxed, minned)) else (maxed, minned)
+  extra = (sums._replace(grads=(), aux=summed), noise)
+  grads, extra = reduce_over_data(plans, jax.tree.leaves(sums.grads), extra, axes, scattered, peaks)
+  if peaks is None:
+    return grads, extra
+  (rest, noise), maxed, minned = extra
+  return grads, (rest._replace(aux=reducers.join(rest.aux, maxed, minned)), noise)
 
 
 def over_mesh(
@@ -448,9 +465,7 @@ def _per_device(dp, plans, core, acc_leaves, seeded, static,
   hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
   w = core.local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, hook)
   static["window"] = w
-  grads, (sums, noise) = reduce_over_data(
-    plans, jax.tree.leaves(w.sums.grads), (w.sums._replace(grads=()), w.noise), dp.axes, per_mb
-  )
+  grads, (sums, noise) = reduce_sums(plans, w.sums, w.noise, dp.axes, per_mb, core.reducers)
   sums = sums._replace(grads=treedef.unflatten(grads))
   sums, noise = core.per_device(sums, noise, dp.size, w.num)
   return sums, noise, reduce_state(w.model_state, dp.axes)
@@ -557,25 +572,30 @@ class Slots:
         f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
       )
 
-  def first(self, sums: Sums, noise: Any, params: Any) -> tuple[Sums, Any]:
-    """Totals ``sums`` and ``noise`` in the first slot, the others zero (gradients laid out as
-    ``params`` are over the model axes)."""
+  def first(self, sums: Sums, noise: Any, params: Any, reducers: Any) -> tuple[Sums, Any]:
+    """Totals ``sums`` and ``noise`` in the first slot, the others zero, or the start of an aux
+    leaf's max or min (gradients laid out as ``params`` are over the model axes)."""
     if self.dp is None:
       return sums, noise
     mesh = self.dp.mesh
 
-    def one(x, spec=None):
+    def one(x, spec=None, fill=None):
       spec = P() if spec is None else spec
       sharding = NamedSharding(mesh, self._spec(spec))
       x = place(jnp.asarray(x), mesh, spec)  # gathered over the data axes
-      zeros = jnp.zeros((self.devices, *jnp.shape(x)), jnp.result_type(x), device=sharding)
+      shape, dtype = (self.devices, *jnp.shape(x)), jnp.result_type(x)
+      zeros = jnp.zeros(shape, dtype, device=sharding)
+      if fill is not None:
+        zeros = jnp.full(shape, fill.astype(dtype), dtype, device=sharding)
       if _explicit(mesh):  # a typed sharding
         return zeros.at[0].set(x, out_sharding=sharding)
       return place(zeros.at[0].set(x), mesh, self._spec(spec))
 
     grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
-    rest, noise = jax.tree.map(one, (sums._replace(grads=()), noise))
-    return rest._replace(grads=grads), noise
+    rest, noise = jax.tree.map(one, (sums._replace(grads=(), aux=()), noise))
+    starts = reducers.init(sums.aux)  # per leaf: 0, or the start of a max or min
+    aux = jax.tree.map(lambda x, start: one(x, fill=start), sums.aux, starts)
+    return rest._replace(grads=grads, aux=aux), noise
 
   def local(self, local: Callable[..., Any], params, mb, rng, own, model_state, scale):
     """``local(params, mb, rng, own, model_state, scale, axes) -> ((sums, noise), model_state)``
@@ -613,9 +633,9 @@ class Slots:
     )
     return add(*args)
 
-  def reduce(self, params: Any, own: tuple[Sums, Any]) -> tuple[Sums, Any]:
+  def reduce(self, params: Any, own: tuple[Sums, Any], reducers: Any) -> tuple[Sums, Any]:
     """The window's sums: the slots reduced (one all-reduce, reduce-scatters for data-sharded
-    params)."""
+    params; aux leaves reduced by max or min, one more each)."""
     dp = self.dp
     if dp is None:
       return own
@@ -623,9 +643,7 @@ class Slots:
 
     def per_device(partial, noise):
       partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
-      grads, (rest, noise) = reduce_over_data(
-        plans, jax.tree.leaves(partial.grads), (partial._replace(grads=()), noise), dp.axes, False
-      )
+      grads, (rest, noise) = reduce_sums(plans, partial, noise, dp.axes, False, reducers)
       return rest._replace(grads=treedef.unflatten(grads)), noise
 
     aux = jax.tree.map(lambda _: P(), own[0].aux)

@@ -48,6 +48,7 @@ def train_step(
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
   grads_in_place: bool = True,
+  aux_reduce: Any = None,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -66,6 +67,11 @@ def train_step(
     batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
       ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
+    aux_reduce: with ``has_aux``, how each aux leaf is reduced over the window: one name, or a
+      pytree prefix of the aux with names: ``"mean"`` (weighted; float leaves' default),
+      ``"sum"`` (integer and bool leaves' default), ``"max"``, ``"min"``, ``"last"`` (the last
+      micro-batch of positive weight). Once per window on a mesh (docs/usage.md, "Window
+      statistics").
     grads_in_place: where JAX can (0.11+), the backward pass adds each gradient into the
       accumulator (``jax.vjp(...).with_refs``): on stacked layers a micro-batch's whole gradient
       is never held (docs/models.md, "Stacked layers"); False: summed in the scan's carry.
@@ -95,6 +101,7 @@ def train_step(
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, grads_in_place=grads_in_place,
+    aux_reduce=aux_reduce,
   )  # fmt: skip
 
   def build(o: Options, jit: bool = True):

@@ -1,0 +1,253 @@
+"""Window statistics: each aux leaf reduced over a window as ``aux_reduce`` says, in every mode.
+
+The reference is computed independently: each micro-batch's statistics by a plain call of the
+loss on its rows (``ga.microbatch``), reduced in numpy over the window's micro-batches of
+positive weight (max, min, sum, weighted mean, the last), or from the whole batch's rows where
+that is the same thing (the max of the maxima is the max over every row).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+
+K = 4
+SPEC = {"mean": "mean", "max": "max", "min": "min", "last": "last", "tokens": "sum",
+        "sq": "sum", "any_big": "max"}  # fmt: skip
+
+
+def loss_fn(w, mb):
+  return stats(mb["x"] @ w, mb)
+
+
+def stats(pred, mb):
+  """The token-mean loss of predictions ``pred`` and its statistics."""
+  err = jnp.sum((pred - mb["y"]) ** 2, axis=-1)
+  mask = mb["n"] > 0
+  loss = jnp.sum(err * mask) / jnp.sum(mask)
+  aux = {
+    "mean": loss, "max": jnp.max(jnp.where(mask, err, -jnp.inf)),
+    "min": jnp.min(jnp.where(mask, err, jnp.inf)), "last": loss, "tokens": jnp.sum(mask),
+    "sq": jnp.sum(err * mask), "any_big": jnp.any(err * mask > 3.0),
+  }  # fmt: skip
+  return loss, aux
+
+
+def weight_fn(mb):
+  return jnp.sum(mb["n"] > 0)
+
+
+def _data(rows=8 * K * 2, empty=None):
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k1, (rows, 8))
+  n = (jnp.arange(rows) % 3).astype(jnp.int32)
+  if empty is not None:  # micro-batch ``empty`` has no tokens
+    n = n.at[empty::K].set(0)
+  batch = {"x": x, "y": jax.random.normal(k2, (rows, 2)), "n": n}
+  return jax.random.normal(k3, (8, 2)) / 3, batch
+
+
+def reference(w, batch, weighted, num=K, devices=1):
+  """The window's statistics from each micro-batch's own values (micro-batches 0..num-1), on
+  ``devices`` devices each holding a contiguous ``1 / devices`` of the rows: per device, its
+  rows of each micro-batch weigh ``weight_fn``'s (unweighted, ``1 / devices``); the maxima,
+  minima and sums over every device's real micro-batches, the weighted mean over them, and
+  the mean over the devices of each device's last real micro-batch's value."""
+  rows = batch["x"].shape[0] // devices
+  vals, weights = {}, {}
+  for d in range(devices):
+    chunk = jax.tree.map(lambda x: x[d * rows : (d + 1) * rows], batch)
+    for i in range(num):
+      mb = ga.microbatch(chunk, i, K)
+      vals[i, d] = jax.tree.map(np.asarray, loss_fn(w, mb)[1])
+      weights[i, d] = float(weight_fn(mb)) if weighted else 1.0 / devices
+  real = [key for key in vals if weights[key] > 0]
+  wsum = sum(weights[key] for key in real)
+  last = [max(i for i, d2 in real if d2 == d) for d in range(devices)]
+  return {
+    "mean": sum(weights[key] * vals[key]["mean"] for key in real) / wsum,
+    "max": max(vals[key]["max"] for key in real), "min": min(vals[key]["min"] for key in real),
+    "last": np.mean([vals[i, d]["last"] for d, i in enumerate(last)]),
+    "tokens": sum(vals[key]["tokens"] for key in real), "sq": sum(vals[key]["sq"] for key in real),
+    "any_big": any(vals[key]["any_big"] for key in real),
+  }  # fmt: skip
+
+
+def assert_stats(got, want):
+  assert set(got) == set(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(np.asarray(got[name], np.float64), value, rtol=2e-6, err_msg=name)
+  assert got["tokens"].dtype == jnp.int32 and got["any_big"].dtype == jnp.bool_
+  assert got["max"].dtype == jnp.float32
+
+
+def _mesh_kw(layout):
+  if layout is None:
+    return {}
+  kw = {"mesh": jax.make_mesh((8,), ("data",))}
+  if layout == "fsdp_per_microbatch":
+    kw.update(param_specs=P("data"), gather_params="per_microbatch")
+  return kw
+
+
+def _run(entry, w, batch, layout, weighted, num_real=None):
+  """The window's aux metrics from one entry point."""
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  kw = {"has_aux": True, "aux_reduce": SPEC, "weight_fn": weight_fn if weighted else None}
+  kw.update(_mesh_kw(layout))
+  call = {} if num_real is None else {"num_real_microbatches": num_real}
+  if entry == "train_step":
+    return ga.train_step(loss_fn, tx, **kw)(w, tx.init(w), batch, **call)[2]["aux"]
+  if entry == "value_and_grad":
+    (_, aux), _ = jax.jit(ga.value_and_grad(loss_fn, K, **kw))(w, batch, **call)
+    return aux
+  kw.pop("gather_params", None)
+  step = ga.micro_step(loss_fn, tx, **kw)
+  state, p = step.init(w, ga.microbatch(batch, 0, K)), w
+  for i in range(K):
+    p, state, metrics = step(p, state, ga.microbatch(batch, i, K))
+  return metrics["aux"]
+
+
+@pytest.mark.parametrize("layout", [None, "replicated", "fsdp_per_microbatch"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("entry", ["train_step", "value_and_grad", "micro_step"])
+def test_each_reducer_equals_the_window_reference(entry, weighted, layout):
+  """max, min, sum (int, float), max of a bool, the weighted mean and the last micro-batch of
+  positive weight (weighted: the last micro-batch is empty, so it is micro-batch 2's); on 8
+  devices too (the param sharded and gathered per micro-batch where the entry takes it)."""
+  w, batch = _data(empty=K - 1 if weighted else None)
+  got = _run(entry, w, batch, layout, weighted)
+  assert_stats(got, reference(w, batch, weighted, devices=1 if layout is None else 8))
+
+
+@pytest.mark.parametrize("layout", [None, "replicated"])
+@pytest.mark.parametrize("entry", ["train_step", "value_and_grad"])
+def test_a_short_window_reduces_its_real_microbatches(entry, layout):
+  """num_real_microbatches=3: the statistics of micro-batches 0..2, as for the loss."""
+  w, batch = _data()
+  devices = 1 if layout is None else 8
+  want = reference(w, batch, False, 3, devices)
+  assert_stats(_run(entry, w, batch, layout, False, num_real=3), want)
+
+
+def test_a_window_split_by_a_checkpoint_and_a_new_layout_reduces_as_one():
+  """micro_step on 8 devices for two micro-batches; the state saved (to host), restored into
+  the single-device layout (convert_state), two more calls: the window's statistics are the
+  uninterrupted window's (the max and min starts fill the other devices' slots)."""
+  w, batch = _data()
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  mesh = jax.make_mesh((8,), ("data",))
+  on_mesh = ga.micro_step(loss_fn, tx, has_aux=True, aux_reduce=SPEC, mesh=mesh)
+  local = ga.micro_step(loss_fn, tx, has_aux=True, aux_reduce=SPEC)
+  state, p = on_mesh.init(w, ga.microbatch(batch, 0, K)), w
+  for i in range(2):
+    p, state, _ = on_mesh(p, state, ga.microbatch(batch, i, K))
+  saved = jax.device_get(state)
+  state = local.convert_state(saved, local.init(p, ga.microbatch(batch, 0, K)))
+  for i in range(2, K):
+    p, state, metrics = local(p, state, ga.microbatch(batch, i, K))
+  assert bool(metrics["updated"])
+  layout_free = ("max", "min", "tokens", "sq", "any_big")  # the same on any number of devices
+  want = reference(w, batch, False)
+  for name in layout_free:
+    np.testing.assert_allclose(metrics["aux"][name], want[name], rtol=2e-6, err_msg=name)
+  # and the reverse: a single-device state restored onto the mesh
+  state, p = local.init(w, ga.microbatch(batch, 0, K)), w
+  for i in range(2):
+    p, state, _ = local(p, state, ga.microbatch(batch, i, K))
+  state = on_mesh.convert_state(jax.device_get(state), on_mesh.init(p, ga.microbatch(batch, 0, K)))
+  for i in range(2, K):
+    p, state, metrics = on_mesh(p, state, ga.microbatch(batch, i, K))
+  for name in layout_free:
+    np.testing.assert_allclose(metrics["aux"][name], want[name], rtol=2e-6, err_msg=name)
+
+
+def test_linen_and_nnx_steps_reduce_as_the_reference():
+  """The Flax front ends take aux_reduce too (a Dense layer, the same loss on its output)."""
+  import flax.linen as nn
+  from flax import nnx
+  from flax.training import train_state
+
+  w, batch = _data()
+  tx = ga.accumulate(optax.sgd(0.1), K)
+
+  net = nn.Dense(2, use_bias=False)
+  ts = train_state.TrainState.create(apply_fn=net.apply, params={"kernel": w}, tx=tx)
+  step = ga.linen_train_step(net, stats, has_aux=True, aux_reduce=SPEC)
+  _, metrics = step(ts, batch)
+  assert_stats(metrics["aux"], reference(w, batch, False))
+  model = nnx.Linear(8, 2, use_bias=False, rngs=nnx.Rngs(0))
+  model.kernel[...] = w
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  nnx_step = ga.nnx_train_step(lambda m, mb: stats(m(mb["x"]), mb), has_aux=True, aux_reduce=SPEC)
+  assert_stats(nnx_step(model, optimizer, batch)["aux"], reference(w, batch, False))
+
+
+def test_on_a_mesh_the_reductions_run_once_after_the_loop():
+  """No collective in the micro-batch loop; after it, the max and min leaves in one all-reduce
+  each beside the one of the sums (the default reducers: only the sums')."""
+  w, batch = _data()
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  mesh = jax.make_mesh((8,), ("data",))
+  reports = {}
+  for name, spec in (("default", None), ("peaks", SPEC)):
+    step = ga.train_step(loss_fn, tx, has_aux=True, aux_reduce=spec, mesh=mesh)
+    reports[name] = ga.inspect_step(step, w, tx.init(w), batch)
+  for r in reports.values():
+    assert r.in_loop == {}, r
+  # One all-reduce per reduction and dtype: the max of float32 and of bool, the min of float32.
+  extra = reports["peaks"].after_loop["all-reduce"] - reports["default"].after_loop["all-reduce"]
+  assert extra == 3, reports
+
+
+def test_default_reducers_are_todays():
+  """Without aux_reduce: float leaves the weighted mean, integer and bool leaves summed."""
+  w, batch = _data(empty=1)
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  metrics = ga.train_step(loss_fn, tx, has_aux=True, weight_fn=weight_fn)(w, tx.init(w), batch)[2]
+  want = reference(w, batch, True)
+  per = [loss_fn(w, ga.microbatch(batch, i, K))[1] for i in range(K)]
+  np.testing.assert_allclose(metrics["aux"]["max"], want["mean"] * 0 + np.average(
+    [p["max"] for i, p in enumerate(per) if i != 1],
+    weights=[float(weight_fn(ga.microbatch(batch, i, K))) for i in range(K) if i != 1]), rtol=2e-6)  # fmt: skip
+  assert int(metrics["aux"]["any_big"]) == sum(
+    bool(p["any_big"]) for i, p in enumerate(per) if i != 1
+  )
+
+
+@pytest.mark.parametrize(
+  "spec,kw,match",
+  [
+    ({"max": "maximum"}, {}, "reducer 'maximum'"),
+    ("max", {"has_aux": False}, "without has_aux=True"),
+  ],
+)
+def test_a_bad_reducer_name_is_refused_when_the_step_is_made(spec, kw, match):
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  for make in (
+    lambda: ga.train_step(loss_fn, tx, **{"has_aux": True, **kw}, aux_reduce=spec),
+    lambda: ga.micro_step(loss_fn, tx, **{"has_aux": True, **kw}, aux_reduce=spec),
+    lambda: ga.value_and_grad(loss_fn, K, **{"has_aux": True, **kw}, aux_reduce=spec),
+  ):
+    with pytest.raises(ValueError, match=match):
+      make()
+
+
+@pytest.mark.parametrize(
+  "spec,match",
+  [
+    ({"max": "max", "nope": "min"}, "pytree prefix of the aux"),
+    ({**SPEC, "tokens": "mean"}, "mean of the integer aux leaf"),
+  ],
+)
+def test_a_spec_that_does_not_fit_the_aux_is_refused_at_trace_time(spec, match):
+  w, batch = _data()
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  step = ga.train_step(loss_fn, tx, has_aux=True, aux_reduce=spec)
+  with pytest.raises(ValueError, match=match):
+    step(w, tx.init(w), batch)
