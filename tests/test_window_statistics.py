@@ -60,7 +60,7 @@ def reference(w, batch, weighted, num=K, devices=1):
   rows = batch["x"].shape[0] // devices
   vals, weights = {}, {}
   for d in range(devices):
-    chunk = jax.tree.map(lambda x: x[d * rows : (d + 1) * rows], batch)
+    chunk = jax.tree.map(lambda x, d=d: x[d * rows : (d + 1) * rows], batch)
     for i in range(num):
       mb = ga.microbatch(chunk, i, K)
       vals[i, d] = jax.tree.map(np.asarray, loss_fn(w, mb)[1])
