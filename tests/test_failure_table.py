@@ -109,7 +109,19 @@ def nnx_module():
   return ga.micro_step(loss, tx)(model, tx.init(model), ga.microbatch(BATCH, 0, K))
 
 
+def _aux_loss(p, mb):
+  return xent_loss(p, mb), {"n": jnp.sum(mb["y"]), "m": jnp.max(mb["x"])}
+
+
+def aux_reduce(spec):
+  return fused(loss_fn=_aux_loss, has_aux=True, aux_reduce=spec)
+
+
 TRIGGERS = {
+  "an unknown reducer in `aux_reduce`": lambda: aux_reduce({"n": "sum", "m": "maximum"}),
+  "`aux_reduce` that is not a pytree prefix of the aux": lambda: aux_reduce({"max": "max"}),
+  "`aux_reduce=\"mean\"` for an integer aux leaf": lambda: aux_reduce("mean"),
+  "`grads_in_place` that is not True or False": lambda: fused(grads_in_place="yes"),
   "a bfloat16 or float16 accumulator (`accum_dtype`, or the params' dtype with `accum_dtype=None`) with `mesh=`, in any mode that takes it": narrow_on_a_mesh,
   "params and batch swapped in a step's call": swapped,
   "the `ga.accumulate` transformation as `check_step`'s `inner_tx`": lambda: ga.check_step(
