@@ -185,9 +185,11 @@ class MicrobatchedGrad:
     return self.options.aux_reduce
 
   def local_sums(
-    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None
-  ):
-    """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes); with
+    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None,
+    in_place=True,
+  ):  # fmt: skip
+    """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes), the
+    gradients added in place where ``in_place`` and :meth:`adds_in_place` allow it; with
     ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
     micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
     k, opts = self.num_microbatches, self.options
@@ -225,7 +227,7 @@ class MicrobatchedGrad:
     if vary:
       init = to_varying(init, vary)
     refs = None
-    if self.adds_in_place(params, acc_init, per_micro):  # the sums' gradients live in Refs
+    if in_place and self.adds_in_place(params, acc_init, per_micro):  # the gradients in Refs
       refs = jax.tree.map(jax.new_ref, init.sums.grads)
       init = init._replace(sums=init.sums._replace(grads=()))
     num = k if num_real is None else num_real

@@ -120,7 +120,7 @@ def aux_reduce(spec):
 TRIGGERS = {
   "an unknown reducer in `aux_reduce`": lambda: aux_reduce({"n": "sum", "m": "maximum"}),
   "`aux_reduce` that is not a pytree prefix of the aux": lambda: aux_reduce({"max": "max"}),
-  "`aux_reduce=\"mean\"` for an integer aux leaf": lambda: aux_reduce("mean"),
+  '`aux_reduce="mean"` for an integer aux leaf': lambda: aux_reduce("mean"),
   "`grads_in_place` that is not True or False": lambda: fused(grads_in_place="yes"),
   "a bfloat16 or float16 accumulator (`accum_dtype`, or the params' dtype with `accum_dtype=None`) with `mesh=`, in any mode that takes it": narrow_on_a_mesh,
   "params and batch swapped in a step's call": swapped,

@@ -30,8 +30,10 @@ def test_the_fused_step_holds_what_a_minimal_scan_holds_whatever_k(model):
     assert row["ga"] <= row["min_scan"] + 0.05 * a, (k, row)
     assert row["ga_undonated"] <= row["min_scan_undonated"] + 2.05 * a, (k, row)
   excess = {k: memory_floor.excess(row) for k, row in rows.items()}
-  assert len({round(e["ga"], 3) for e in excess.values()}) == 1, excess
-  assert len({round(e["ga_undonated"], 3) for e in excess.values()}) == 1, excess
+  for name in ("ga", "ga_undonated"):  # within 0.001 A whatever k
+    assert max(e[name] for e in excess.values()) - min(e[name] for e in excess.values()) < 1e-3, (
+      excess
+    )
 
 
 @pytest.mark.parametrize("layout", memory_floor.LAYOUTS)
