@@ -251,3 +251,78 @@ def test_a_spec_that_does_not_fit_the_aux_is_refused_at_trace_time(spec, match):
   step = ga.train_step(loss_fn, tx, has_aux=True, aux_reduce=spec)
   with pytest.raises(ValueError, match=match):
     step(w, tx.init(w), batch)
+
+
+E, D = 4, 8
+MOE_SPEC = {"counts": "sum", "prob_sum": "sum", "tokens": "sum", "max_logit": "max"}
+
+
+def moe_loss(params, bias, mb):
+  """A top-2 mixture of 4 linear experts; ``bias`` (model state) only steers the routing."""
+  logits = mb["x"] @ params["router"]
+  _, top = jax.lax.top_k(logits + bias, 2)
+  gates = jax.nn.softmax(jnp.take_along_axis(logits, top, axis=1))
+  outs = jnp.einsum("td,edf->tef", mb["x"], params["experts"])
+  out = jnp.sum(gates[..., None] * jnp.take_along_axis(outs, top[..., None], axis=1), axis=1)
+  stats = {
+    "counts": jnp.sum(jax.nn.one_hot(top, E, dtype=jnp.int32), axis=(0, 1)),
+    "prob_sum": jnp.sum(jax.nn.softmax(logits), axis=0),
+    "tokens": jnp.asarray(mb["x"].shape[0], jnp.int32),
+    "max_logit": jnp.max(logits),
+  }
+  return jnp.mean((out - mb["y"]) ** 2), (stats, bias)
+
+
+def _moe_data(rows=128):
+  keys = jax.random.split(jax.random.key(7), 4)
+  params = {"router": jax.random.normal(keys[0], (D, E)),
+            "experts": jax.random.normal(keys[1], (E, D, D)) / 3}  # fmt: skip
+  batch = {"x": jax.random.normal(keys[2], (rows, D)), "y": jax.random.normal(keys[3], (rows, D))}
+  return params, jnp.linspace(-0.5, 0.5, E), batch
+
+
+def _balance(stats):
+  fraction, prob = stats["counts"] / (2 * stats["tokens"]), stats["prob_sum"] / stats["tokens"]
+  return E * jnp.sum(fraction * prob)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("layout", [None, "replicated"])
+def test_moe_window_statistics_and_bias_update_equal_the_whole_batch(remat, layout):
+  """Top-2 of 4 experts: the window's tokens per expert equal the whole batch's exactly, with
+  jax.checkpoint (recomputation cannot count twice: statistics are outputs) and on 8 devices;
+  the load-balance loss from the window's sums, the auxiliary-loss-free bias update from its
+  counts and the params after one SGD step are the whole batch's."""
+  params, bias, batch = _moe_data()
+  loss = jax.checkpoint(moe_loss) if remat else moe_loss
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  step = ga.train_step(
+    loss, tx, has_aux=True, has_state=True, aux_reduce=MOE_SPEC, **_mesh_kw(layout)
+  )
+  new_params, same_bias, _, metrics = step(params, bias, tx.init(params), batch)
+  stats = metrics["aux"]
+  (whole_loss, (whole, _)), grads = jax.value_and_grad(moe_loss, has_aux=True)(params, bias, batch)
+  np.testing.assert_array_equal(stats["counts"], whole["counts"])
+  assert stats["counts"].dtype == jnp.int32 and int(stats["tokens"]) == batch["x"].shape[0]
+  np.testing.assert_allclose(_balance(stats), _balance(whole), rtol=1e-6)
+  np.testing.assert_allclose(stats["max_logit"], whole["max_logit"], rtol=1e-6)  # matmul rounding
+  update = 1e-3 * jnp.sign(jnp.mean(stats["counts"]) - stats["counts"])
+  whole_update = 1e-3 * jnp.sign(jnp.mean(whole["counts"]) - whole["counts"])
+  np.testing.assert_array_equal(same_bias + update, bias + whole_update)
+  np.testing.assert_allclose(metrics["loss"], whole_loss, rtol=1e-6)
+  want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_counts_with_micro_step_come_with_the_closing_call():
+  params, bias, batch = _moe_data()
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  step = ga.micro_step(moe_loss, tx, has_aux=True, has_state=True, aux_reduce=MOE_SPEC)
+  p, b = params, bias
+  state = step.init(params, ga.microbatch(batch, 0, K), model_state=bias)
+  for i in range(K):
+    p, b, state, metrics = step(p, b, state, ga.microbatch(batch, i, K))
+  _, (whole, _) = moe_loss(params, bias, batch)
+  assert bool(metrics["updated"])
+  np.testing.assert_array_equal(metrics["aux"]["counts"], whole["counts"])
