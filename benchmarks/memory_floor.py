@@ -207,6 +207,13 @@ def mesh_min_scan(loss_fn, inner, k, mesh, specs, per_microbatch):
       )
     return jax.tree.map(lambda a: a / (k * n), acc)
 
+  return sharded_step(per_device, inner, mesh, specs)
+
+
+def sharded_step(per_device, inner, mesh, specs):
+  """``step(params, state, batch)``: the mean gradient ``per_device(params, batch)`` returns
+  under ``jax.shard_map`` (batch rows over ``"data"``, params by ``specs``), one update."""
+
   def step(params, state, batch):
     grads = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs)(
       params, batch

@@ -107,31 +107,33 @@ def _nnx_net(layers: int, d: int):
   return Stack(nnx.Rngs(1))
 
 
+def _ref_sums(loss_fn, params, batch, k):
+  """The gradient sums of ``batch``'s ``k`` micro-batches, each backward pass adding into a
+  Ref made from zeros (frozen after the scan)."""
+  acc = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
+
+  def body(_, i):
+    out, vjp_fn = jax.vjp(lambda q: loss_fn(q, ga.microbatch(batch, i, k)), params)
+    vjp_fn.with_refs(acc)(jnp.ones_like(out))
+    return (), None
+
+  jax.lax.scan(body, (), jnp.arange(k))
+  return jax.tree.map(jax.freeze, acc)
+
+
 def ref_scan(loss_fn, inner, k):
-  """The in-place floor: each micro-batch's backward pass adds into a Ref made from zeros."""
+  """The in-place floor: the sums of :func:`_ref_sums`, their mean, one update."""
 
   def step(params, state, batch):
-    acc = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
-
-    def body(_, i):
-      out, vjp_fn = jax.vjp(lambda q: loss_fn(q, ga.microbatch(batch, i, k)), params)
-      vjp_fn.with_refs(acc)(jnp.ones_like(out))
-      return (), None
-
-    jax.lax.scan(body, (), jnp.arange(k))
-    grads = jax.tree.map(lambda r: jax.freeze(r) / k, acc)
+    grads = jax.tree.map(lambda g: g / k, _ref_sums(loss_fn, params, batch, k))
     updates, state = inner.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   return step
 
 
-def plain(loss_fn, inner):
-  def step(params, state, mb):
-    updates, state = inner.update(jax.grad(loss_fn)(params, mb), state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
+# One micro-batch, jax.grad and the update: memory_floor's call of an optimizer on a micro-batch.
+plain = memory_floor.multisteps_call
 
 
 def _batch(micro, k, sharding=None):
@@ -228,33 +230,17 @@ def mesh_ref_scan(loss_fn, inner, k, mesh, specs):
     )  # fmt: skip
     params = jax.tree.map(lambda x, s: x if sharded(s) else jax.lax.pcast(x, "data", to="varying"),
                           params, specs)  # fmt: skip
-    acc = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
 
-    def body(_, i):
-      out, vjp_fn = jax.vjp(lambda q: loss_fn(q, ga.microbatch(batch, i, k)), params)
-      vjp_fn.with_refs(acc)(jnp.ones_like(out))
-      return (), None
-
-    jax.lax.scan(body, (), jnp.arange(k))
-
-    def reduce(r, s):
-      g = jax.freeze(r)
+    def reduce(g, s):
       if sharded(s):
         g = jax.lax.psum_scatter(g, "data", scatter_dimension=1, tiled=True)
       else:
         g = jax.lax.psum(g, "data")
       return g / (k * n)
 
-    return jax.tree.map(reduce, acc, specs)
+    return jax.tree.map(reduce, _ref_sums(loss_fn, params, batch, k), specs)
 
-  def step(params, state, batch):
-    grads = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs)(
-      params, batch
-    )
-    updates, state = inner.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
+  return memory_floor.sharded_step(per_device, inner, mesh, specs)
 
 
 def mesh_stacked_bytes(layout: str, layers: int, k: int, d: int = 256, b: int = 16) -> dict:

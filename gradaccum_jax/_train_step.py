@@ -67,14 +67,10 @@ def train_step(
     batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
       ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
-    aux_reduce: with ``has_aux``, how each aux leaf is reduced over the window: one name, or a
-      pytree prefix of the aux with names: ``"mean"`` (weighted; float leaves' default),
-      ``"sum"`` (integer and bool leaves' default), ``"max"``, ``"min"``, ``"last"`` (the last
-      micro-batch of positive weight). Once per window on a mesh (docs/usage.md, "Window
-      statistics").
-    grads_in_place: where JAX can (0.11+), the backward pass adds each gradient into the
-      accumulator (``jax.vjp(...).with_refs``): on stacked layers a micro-batch's whole gradient
-      is never held (docs/models.md, "Stacked layers"); False: summed in the scan's carry.
+    aux_reduce: each aux leaf's window reducer (docs/usage.md): ``"mean"`` (weighted; floats'),
+      ``"sum"`` (integers'), ``"max"``, ``"min"`` or ``"last"``; a name or an aux pytree prefix.
+    grads_in_place: where JAX can (0.11+), the backward pass adds into the accumulator
+      (docs/models.md, "Stacked layers"); False: each gradient summed in the scan's carry.
 
   Returns:
     ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,
