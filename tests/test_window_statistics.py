@@ -326,3 +326,24 @@ def test_moe_counts_with_micro_step_come_with_the_closing_call():
   _, (whole, _) = moe_loss(params, bias, batch)
   assert bool(metrics["updated"])
   np.testing.assert_array_equal(metrics["aux"]["counts"], whole["counts"])
+
+
+def test_a_voided_window_reports_its_statistics_and_the_next_starts_afresh():
+  """A NaN in micro-batch 2 voids the window (params kept), whose statistics are reported as
+  its loss is (the max of a NaN row is NaN); in micro_step, whose reductions are state, the
+  next window's statistics are the reference's: nothing of the voided window is left."""
+  w, batch = _data()
+  bad = dict(batch, x=batch["x"].at[2].set(jnp.nan))  # row 2: micro-batch 2
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  p1, _, m1 = ga.train_step(loss_fn, tx, has_aux=True, aux_reduce=SPEC)(w, tx.init(w), bad)
+  assert not bool(m1["updated"]) and np.isnan(m1["aux"]["max"]) and np.isnan(m1["loss"])
+  np.testing.assert_array_equal(p1, w)
+  step = ga.micro_step(loss_fn, tx, has_aux=True, aux_reduce=SPEC)
+  state, p = step.init(w, ga.microbatch(batch, 0, K)), w
+  for data in (bad, batch):
+    for i in range(K):
+      p, state, metrics = step(p, state, ga.microbatch(data, i, K))
+    if data is bad:
+      assert not bool(metrics["updated"]) and np.isnan(metrics["aux"]["max"])
+  assert bool(metrics["updated"])
+  assert_stats(metrics["aux"], reference(w, batch, False))
