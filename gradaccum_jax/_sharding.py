@@ -584,9 +584,8 @@ class Slots:
       sharding = NamedSharding(mesh, self._spec(spec))
       x = place(jnp.asarray(x), mesh, spec)  # gathered over the data axes
       shape, dtype = (self.devices, *jnp.shape(x)), jnp.result_type(x)
-      zeros = jnp.zeros(shape, dtype, device=sharding)
-      if fill is not None:
-        zeros = jnp.full(shape, fill.astype(dtype), dtype, device=sharding)
+      start = jnp.zeros((), dtype) if fill is None else fill.astype(dtype)
+      zeros = jnp.full(shape, start, dtype, device=sharding)
       if _explicit(mesh):  # a typed sharding
         return zeros.at[0].set(x, out_sharding=sharding)
       return place(zeros.at[0].set(x), mesh, self._spec(spec))
