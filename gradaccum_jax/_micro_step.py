@@ -225,7 +225,7 @@ class MicroStep:
       emit, close, hold, params, new_model_state, state
     )
     sums, noise = _partials(state)
-    start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max's or min's its identity
+    start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max or min starts elsewhere
     start = (start[0]._replace(aux=self._opts.aux_reduce.init(sums.aux)), start[1])
     empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
     new_params = place_params(slots.dp, out if in_place else optax.apply_updates(params, out))

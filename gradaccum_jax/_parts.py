@@ -271,8 +271,8 @@ class AuxReducers:
     return self._map(one, acc, more)
 
   def per_device(self, aux: Any, devices: int, weighted: bool) -> Any:
-    """Before the sum over ``devices`` (``over_devices``): unweighted means, and "last", divided by
-    ``devices``, so that their sum is the mean of the devices' values."""
+    """Before the sum over ``devices`` (``_sharding.reduce_sums``): unweighted means, and "last",
+    divided by ``devices``, so that their sum is the mean of the devices' values."""
 
     def one(op, x):
       divide = op == "last" or (op == "mean" and not weighted)
@@ -292,9 +292,7 @@ class AuxReducers:
 
   def join(self, summed: Any, maxed: Any, minned: Any) -> Any:
     """The three trees of :meth:`split` (each reduced over the devices) as one."""
-    leaves = [
-      [x for x in jax.tree.leaves(t, is_leaf=lambda v: v is None)] for t in (summed, maxed, minned)
-    ]
+    leaves = [jax.tree.leaves(t, is_leaf=lambda v: v is None) for t in (summed, maxed, minned)]
     out = [next(x for x in xs if x is not None) for xs in zip(*leaves, strict=True)]
     return jax.tree.structure(summed, is_leaf=lambda v: v is None).unflatten(out)
 
@@ -323,9 +321,9 @@ def _identity(op: str, dtype: Any) -> Any:
     return 0
   if jnp.issubdtype(dtype, jnp.bool_):
     return op == "min"
-  info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype)
   if jnp.issubdtype(dtype, jnp.inexact):
     return -jnp.inf if op == "max" else jnp.inf
+  info = jnp.iinfo(dtype)
   return info.min if op == "max" else info.max
 
 
