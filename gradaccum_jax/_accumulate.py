@@ -30,7 +30,14 @@ from gradaccum_jax._noise import (
   open_sums,
   with_sums,
 )
-from gradaccum_jax._parts import Weighting, add_gradients, mean_of, sq_norm, zeros_accumulator
+from gradaccum_jax._parts import (
+  Weighting,
+  add_gradients,
+  mean_of,
+  refuse_overwrite,
+  sq_norm,
+  zeros_accumulator,
+)
 from gradaccum_jax._sharding import on_the_params_mesh, with_types_of
 
 Params = optax.Params
@@ -305,6 +312,7 @@ class Accumulator:
     weight: Any = None, **extra_args: Any,
   ) -> tuple[Updates, AccumulateState]:  # fmt: skip
     state = self.check_state(state)
+    refuse_overwrite(grads, "grads", "tx.update")
     check_same_structure(grads, state.acc_grads, "grads")
     check_trainable(grads, "grads")
     wt = Weighting(None if weight is None else check_weight)

@@ -11,6 +11,7 @@ import jax
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._options import LossSpec, Options, make_options, split_output
+from gradaccum_jax._parts import overwrite_key
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -63,7 +64,10 @@ class _LinenModel:
 
   def apply(self, params, batch_stats, mb, key, with_stats):
     """``(output, new batch_stats)`` (``batch_stats`` unchanged without ``with_stats``)."""
-    variables = {"params": params, **({"batch_stats": batch_stats} if with_stats else {})}
+    # fp8: params are the variables {"params", "_overwrite_with_gradient"} (Flax's TrainState)
+    fp8 = overwrite_key(params, "linen_train_step") is not None
+    variables = dict(params) if fp8 else {"params": params}
+    variables.update({"batch_stats": batch_stats} if with_stats else {})
     keyed = () if key is None else enumerate(self.collections)
     rngs = {c: jax.random.fold_in(key, j) for j, c in keyed}
     try:

@@ -27,7 +27,9 @@ from gradaccum_jax._parts import (
   SumsUnit,
   keeps_running_means,
   mean_of,
+  overwrite_key,
   window_means,
+  with_params,
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, to_varying
@@ -94,6 +96,7 @@ class Window(NamedTuple):
   aux_like: Any  # ... and aux
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
   reducers: AuxReducers = AuxReducers()
+  overwrite: Any = None  # fp8: the max of the overwrite collection's "gradients" (else None)
 
   def means(self) -> tuple[jax.Array, Any]:
     """The weighted mean loss and the reduced aux (:func:`window_means`)."""
@@ -107,6 +110,7 @@ class MicrobatchedGrad:
   options: Options
   num_microbatches: int
   noise_sums: bool = False  # also sum w_i |g_i|^2 for the noise scale (Window.noise)
+  overwrite: str | None = None  # fp8 (Flax variables in params): the collection overwritten
 
   def adds_in_place(self, params: Any, acc_init: Any, per_micro: Any = None) -> bool:
     """Whether the backward pass adds each gradient into the accumulator in place
@@ -119,7 +123,8 @@ class MicrobatchedGrad:
     types = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(params)]
     acc = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(acc_init)]
     running = keeps_running_means(acc_init)  # a narrow float keeps a mean, not a sum
-    return not self.noise_sums and per_micro is None and types == acc and not running
+    plain = not self.noise_sums and per_micro is None and self.overwrite is None
+    return plain and types == acc and not running
 
   def _into(self, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
     """``(loss, aux, new_model_state)`` of one micro-batch whose gradient, weighted by ``w``
@@ -158,13 +163,20 @@ class MicrobatchedGrad:
     mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with ``in_buffer``
     (a donated step's accumulator) and where a device holds its share, else adds it after."""
     check_trainable(params, where=self.options.where)
-    dp = self.options.parallel
+    dp, ow = self.options.parallel, overwrite_key(params, self.options.where)
+    core = self if ow is None else dataclasses.replace(self, overwrite=ow)
+    if ow is not None:  # fp8: the collection's zeros beside the trained params' sums
+      acc_init = with_params(params, acc_init, jax.tree.map(jnp.zeros_like, params[ow]))
     if dp is None:
-      return self.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
-    check_accumulator_on_mesh(acc_init, self.options.where)
-    return over_mesh(
-      dp, self, params, batch, rng, acc_init, model_state, scale, num_real, in_buffer
-    )
+      w = core.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
+    else:
+      check_accumulator_on_mesh(acc_init, self.options.where)
+      w = over_mesh(dp, core, params, batch, rng, acc_init, model_state, scale, num_real, in_buffer)
+    if ow is None:
+      return w
+    (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
+    sums = w.sums._replace(grads=w.sums.grads["params"], aux=aux)
+    return w._replace(sums=sums, aux_like=aux_like, reducers=self.reducers, overwrite=new)
 
   def _noise_unit(self) -> NoiseUnit | Off:
     return NoiseUnit(self.options.weighting) if self.noise_sums else Off()
@@ -178,11 +190,26 @@ class MicrobatchedGrad:
     return self._sums_unit().seed_factor(devices)
 
   def _sums_unit(self) -> SumsUnit:
-    return SumsUnit(self.options.weighting, self.options.aux_reduce)
+    return SumsUnit(self.options.weighting, self.reducers)
 
   @property
   def reducers(self) -> AuxReducers:
-    return self.options.aux_reduce
+    """The aux reducers; fp8: of ``(aux, the overwrite collection's gradient)``, max over all."""
+    if self.overwrite is None:
+      return self.options.aux_reduce
+    return AuxReducers((self.options.aux_reduce.spec, "max_all"))
+
+  def _cotangent_total(self, batch: Any, num: Any, vary: tuple) -> jax.Array:
+    """fp8: the window's total weight (over ``vary``'s devices too), known before the loop:
+    micro-batch ``i``'s loss is scaled by ``w_i`` over it, the whole batch's cotangent, which
+    the fp8 output-gradient amax sees (docs/usage.md, "FP8")."""
+    wt, k = self.options.weighting, self.num_microbatches
+    if not wt.weighted:
+      return jnp.asarray(num, jnp.float32) * (jax.lax.psum(1, vary) if vary else 1)
+    i = jnp.arange(k)
+    ws = jax.vmap(lambda j: wt.total(wt.of(microbatch(batch, j, k))))(i)
+    total = jnp.sum(jnp.where(i < num, ws, 0.0))
+    return jax.lax.psum(total, vary) if vary else total
 
   def local_sums(
     self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None,
@@ -192,8 +219,10 @@ class MicrobatchedGrad:
     gradients added in place where ``in_place`` and :meth:`adds_in_place` allow it; with
     ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
     micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
-    k, opts = self.num_microbatches, self.options
+    k, opts, ow = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
+    num = k if num_real is None else num_real
+    total = None if ow is None else self._cotangent_total(batch, num, vary)
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
@@ -214,8 +243,23 @@ class MicrobatchedGrad:
         seed = w if opts.weighting.weighted else None
         loss, aux, new_state = self._into(refs, p, start, mb, key, scale, seed)
         return Micro(loss, aux, (), w, new_state)
-      (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, scale)
-      return Micro(loss, aux, grads, w, new_state)
+      if ow is None:
+        (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, scale)
+        return Micro(loss, aux, grads, w, new_state)
+      # fp8: the backward pass at the whole batch's cotangent w / total; the gradient then
+      # scaled back to the sums' (w_i g_i), the collection's "gradient" reduced as aux.
+      part = jnp.where(total > 0, w / jnp.where(total > 0, total, 1), 0.0)  # 0: a void window
+      seed = part if scale is None else part * scale
+      (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
+      back = jnp.where(w > 0, total / jnp.where(w > 0, w, 1), 0)  # 1 / part
+
+      def scaled_back(g):
+        wide = jnp.promote_types(g.dtype, jnp.float32)
+        return g.astype(wide) * back.astype(wide)
+
+      trained = jax.tree.map(scaled_back, grads["params"])
+      zeros = jax.tree.map(jnp.zeros_like, grads[ow])
+      return Micro(loss, (aux, grads[ow]), with_params(grads, trained, zeros), w, new_state)
 
     like = jax.eval_shape(one, 0, model_state)
 
@@ -230,7 +274,6 @@ class MicrobatchedGrad:
     if in_place and self.adds_in_place(params, acc_init, per_micro):  # the gradients in Refs
       refs = jax.tree.map(jax.new_ref, init.sums.grads)
       init = init._replace(sums=init.sums._replace(grads=()))
-    num = k if num_real is None else num_real
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
     else:  # only the first num_real micro-batches run; the others are not computed
@@ -240,7 +283,7 @@ class MicrobatchedGrad:
     sums, noise, state = (
       unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True)
     )
-    return Window(sums, noise, state, like.loss, like.aux, num, opts.aux_reduce)
+    return Window(sums, noise, state, like.loss, like.aux, num, self.reducers)
 
 
 def value_and_grad(
@@ -319,12 +362,16 @@ def value_and_grad(
 
   def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
     num_real = check_real_microbatches(num_real_microbatches, k)
-    w = mg.sums(
-      params, batch, rng, zeros_accumulator(params, accum_dtype), model_state, None, num_real
-    )
+    ow = overwrite_key(
+      params, "value_and_grad"
+    )  # fp8: the new values of that collection as its "gradient"
+    trained = params if ow is None else params["params"]
+    zeros = zeros_accumulator(trained, accum_dtype)
+    w = mg.sums(params, batch, rng, zeros, model_state, None, num_real)
     grads = jax.tree.map(
-      lambda a, p: a.astype(jnp.result_type(p)), mean_of(w.sums.grads, w.sums.weight), params
+      lambda a, p: a.astype(jnp.result_type(p)), mean_of(w.sums.grads, w.sums.weight), trained
     )
+    grads = grads if ow is None else with_params(params, grads, w.overwrite)
     loss, aux = w.means()
     return opts.loss.pack(loss, aux, w.model_state), grads
 

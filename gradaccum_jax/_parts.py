@@ -9,7 +9,7 @@ is off is the :class:`Off` unit, whose carry is ``()``."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -43,6 +43,44 @@ class Sums(NamedTuple):
     loss = self.loss + more.loss
     aux = reducers.merged(self.aux, more.aux, more.weight)
     return Sums(grads, self.weight + more.weight, loss, aux)
+
+
+OVERWRITE = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+def overwrite_key(params: Any, where: str) -> str | None:
+  """``OVERWRITE`` if ``params`` is a Flax variables dict ``{"params": ..., OVERWRITE: ...}``
+  (fp8: that collection's "gradient" is its new value, written over the old once per window,
+  docs/usage.md, "FP8"), else None."""
+  if not (isinstance(params, Mapping) and OVERWRITE in params):
+    return None
+  if set(params) != {"params", OVERWRITE}:
+    raise ValueError(
+      f"{where}: params holds Flax's {OVERWRITE!r} collection (fp8) and"
+      f" {sorted(set(params) - {OVERWRITE, 'params'})} beside 'params': pass the variables"
+      " {'params': ..., '_overwrite_with_gradient': ...} only, other collections as model state"
+      " (has_state=True)."
+    )
+  return OVERWRITE
+
+
+def refuse_overwrite(tree: Any, what: str, where: str) -> None:
+  """A ValueError, before any work, for Flax's fp8 collection in a streaming call's ``tree``."""
+  if isinstance(tree, Mapping) and OVERWRITE in tree:
+    raise ValueError(
+      f"{where}: {what} holds Flax's {OVERWRITE!r} collection (fp8 amax histories and scales):"
+      " its window value is the max over the micro-batches, each backward pass scaled by the"
+      " window's total weight, which a call on one micro-batch cannot know. Use ga.train_step"
+      " or ga.linen_train_step (the state made by tx.init(variables['params']), as Flax's"
+      " TrainState.create does)."
+    )
+
+
+def with_params(variables: Any, trained: Any, overwrite: Any) -> Any:
+  """``variables`` (a Flax variables dict, of its own type) with new ``"params"`` and fp8
+  collection."""
+  new = {"params": trained, OVERWRITE: overwrite}
+  return new if type(variables) is dict else type(variables)(new)
 
 
 def sum_dtype(like: Any) -> Any:
@@ -202,7 +240,8 @@ class AuxReducers:
   leaves), ``"sum"`` (over the micro-batches and devices; the default of integer and bool
   leaves), ``"max"``, ``"min"`` (over the micro-batches and devices; -inf and +inf for a window
   of no positive weight) or ``"last"`` (the last micro-batch of positive weight; on a mesh, the
-  mean of the devices' values for it). Micro-batches of weight <= 0 are left out of all."""
+  mean of the devices' values for it). Micro-batches of weight <= 0 are left out of all but
+  the package's own ``"max_all"`` (fp8 amax: the max over every micro-batch that ran)."""
 
   spec: Any = None  # None, a name, or a pytree prefix of the aux with names (None: default)
 
@@ -255,6 +294,8 @@ class AuxReducers:
         return a + (jnp.where(real, x, 0) if weighted else x).astype(a.dtype)
       if op == "last":
         return jnp.where(real, x, a).astype(a.dtype) if weighted else x.astype(a.dtype)
+      if op == "max_all":  # every micro-batch that ran, whatever its weight (fp8 amax)
+        return _peak(op, a, x)
       return _peak(op, a, jnp.where(real, x, _identity(op, a.dtype)) if weighted else x)
 
     return self._map(one, acc, aux)
@@ -288,19 +329,19 @@ class AuxReducers:
     def pick(want):
       return jax.tree.map(lambda op, x: x if (op in want) else None, ops, aux)
 
-    return pick(("mean", "sum", "last")), pick(("max",)), pick(("min",))
+    return pick(("mean", "sum", "last")), pick(("max", "max_all")), pick(("min",))
 
   def join(self, summed: Any, maxed: Any, minned: Any) -> Any:
     """The three trees of :meth:`split` (each reduced over the devices) as one."""
     leaves = [jax.tree.leaves(t, is_leaf=lambda v: v is None) for t in (summed, maxed, minned)]
-    out = [next(x for x in xs if x is not None) for xs in zip(*leaves, strict=True)]
+    out = [next((x for x in xs if x is not None), None) for xs in zip(*leaves, strict=True)]
     return jax.tree.structure(summed, is_leaf=lambda v: v is None).unflatten(out)
 
   def over_slots(self, aux: Any) -> Any:
     """``aux`` with a leading axis of device slots reduced (summed, or maxed, minned)."""
 
     def one(op, x):
-      return {"max": jnp.max, "min": jnp.min}.get(op, jnp.sum)(x, 0)
+      return {"max": jnp.max, "max_all": jnp.max, "min": jnp.min}.get(op, jnp.sum)(x, 0)
 
     return self._map(one, aux)
 
@@ -317,18 +358,18 @@ class AuxReducers:
 
 def _identity(op: str, dtype: Any) -> Any:
   """The start of a reduction: 0, or the lowest (``max``) or highest (``min``) value."""
-  if op not in ("max", "min"):
+  if op not in ("max", "min", "max_all"):
     return 0
   if jnp.issubdtype(dtype, jnp.bool_):
     return op == "min"
   if jnp.issubdtype(dtype, jnp.inexact):
-    return -jnp.inf if op == "max" else jnp.inf
+    return jnp.inf if op == "min" else -jnp.inf
   info = jnp.iinfo(dtype)
-  return info.min if op == "max" else info.max
+  return info.max if op == "min" else info.min
 
 
 def _peak(op: str, a: jax.Array, x: Any) -> jax.Array:
-  return (jnp.maximum if op == "max" else jnp.minimum)(a, jnp.asarray(x).astype(a.dtype))
+  return (jnp.minimum if op == "min" else jnp.maximum)(a, jnp.asarray(x).astype(a.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

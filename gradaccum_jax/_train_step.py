@@ -26,7 +26,13 @@ from gradaccum_jax._memory import auto_gather
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import NoiseSums, add_window
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import keep_if_voided, keeps_running_means, merge_gradients
+from gradaccum_jax._parts import (
+  keep_if_voided,
+  keeps_running_means,
+  merge_gradients,
+  overwrite_key,
+  with_params,
+)
 from gradaccum_jax._sharding import place_params
 
 
@@ -156,7 +162,11 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
 
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)
-    check_same_structure(params, state.acc_grads, "params")
+    ow = overwrite_key(
+      params, opts.where
+    )  # fp8: the optimizer trains params["params"] (Flax's TrainState)
+    trained = params if ow is None else params["params"]
+    check_same_structure(trained, state.acc_grads, "params" if ow is None else "params['params']")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
     # The scan adds onto the state's accumulator (zeros, or a streaming window's sums), in its
@@ -175,11 +185,20 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     mode = "loop" if in_place else "select"
-    closed = acc.close(acc_grads, weight, state, params, params, extra, mode, dp is None)
+    closed = acc.close(acc_grads, weight, state, trained, trained, extra, mode, dp is None)
     new_state = closed.state
+
+    def placed(tree):  # as the params are sharded (fp8: as the variables' "params")
+      if ow is None:
+        return place_params(dp, tree)
+      return place_params(dp, with_params(params, tree, params[ow]))["params"]
+
     cleared = new_state.acc_grads if cleared is None else cleared
-    new_state = new_state._replace(acc_grads=place_params(dp, cleared))
-    new_params = place_params(dp, closed.out)
+    new_state = new_state._replace(acc_grads=placed(cleared))
+    new_params = placed(closed.out)
+    if ow is not None:  # written over the old values once per window, kept if it is voided
+      new = keep_if_voided(new_state.updated, window.overwrite, params[ow])
+      new_params = with_params(params, new_params, new)
     # A voided window restores float model state (statistics), counters advance; None stays None.
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)
