@@ -117,7 +117,24 @@ def aux_reduce(spec):
   return fused(loss_fn=_aux_loss, has_aux=True, aux_reduce=spec)
 
 
+FP8_VARS = {"params": PARAMS, "_overwrite_with_gradient": {"amax_history": jnp.zeros(4)}}
+
+
+def fp8_refused(where):
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  if where == "micro_step":
+    stream = ga.micro_step(lambda v, mb: xent_loss(v["params"], mb), tx)
+    return stream(FP8_VARS, stream.init(FP8_VARS), ga.microbatch(BATCH, 0, K))
+  if where == "tx.update":
+    return tx.update(jax.tree.map(jnp.zeros_like, FP8_VARS), tx.init(PARAMS), FP8_VARS)
+  more = {**FP8_VARS, "batch_stats": {"mean": jnp.zeros(3)}}
+  return ga.train_step(lambda v, mb: xent_loss(v["params"], mb), tx)(more, tx.init(PARAMS), BATCH)
+
+
 TRIGGERS = {
+  "Flax's fp8 collection in `ga.micro_step`'s params": lambda: fp8_refused("micro_step"),
+  "Flax's fp8 collection in `tx.update`'s grads": lambda: fp8_refused("tx.update"),
+  'fp8 variables with another collection beside `"params"`': lambda: fp8_refused("train_step"),
   "an unknown reducer in `aux_reduce`": lambda: aux_reduce({"n": "sum", "m": "maximum"}),
   "`aux_reduce` that is not a pytree prefix of the aux": lambda: aux_reduce({"max": "max"}),
   '`aux_reduce="mean"` for an integer aux leaf': lambda: aux_reduce("mean"),

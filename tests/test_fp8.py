@@ -26,7 +26,7 @@ B = 32
 class Net(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = jnp.tanh(nn.Dense(16, dot_general_cls=nn.Fp8DirectDotGeneralOp)(x))
+    x = nn.relu(nn.Dense(16, dot_general_cls=nn.Fp8DirectDotGeneralOp)(x))
     return nn.Dense(1, dot_general_cls=nn.Fp8DirectDotGeneralOp)(x)[:, 0]
 
 
