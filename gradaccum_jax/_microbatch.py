@@ -104,6 +104,44 @@ class Window(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8:
+  """Flax's fp8 collection ``key`` under accumulation (docs/usage.md, "FP8"): each micro-batch's
+  loss scaled by ``w / total`` before it is differentiated (the whole batch's cotangent, which
+  the output-gradient amax sees), its gradient scaled back for the sums (``w g``), and the
+  collection's "gradient", its new value, handed on as an aux leaf that ``"max_all"`` reduces."""
+
+  key: str
+  total: jax.Array  # the window's total weight, over the devices too
+
+  @classmethod
+  def make(cls, key, weighting: Any, batch: Any, k: int, num: Any, vary: tuple) -> Fp8:
+    """The window's total weight, known before the loop (the real micro-batches' weights)."""
+    if not weighting.weighted:
+      return cls(key, jnp.asarray(num, jnp.float32) * (jax.lax.psum(1, vary) if vary else 1))
+    i = jnp.arange(k)
+    ws = jax.vmap(lambda j: weighting.total(weighting.of(microbatch(batch, j, k))))(i)
+    total = jnp.sum(jnp.where(i < num, ws, 0.0))
+    return cls(key, jax.lax.psum(total, vary) if vary else total)
+
+  def seed(self, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    ok = self.total > 0  # else a void window: nothing is added
+    part = jnp.where(ok, w / jnp.where(ok, self.total, 1), 0.0)
+    return part if scale is None else part * scale
+
+  def split(self, grads: Any, aux: Any, w: jax.Array) -> tuple[Any, Any]:
+    """``(the gradients as the sums take them, (aux, the collection's new value))``."""
+    back = jnp.where(w > 0, self.total / jnp.where(w > 0, w, 1), 0)  # 1 / the seed's part
+
+    def scaled_back(g):
+      wide = jnp.promote_types(g.dtype, jnp.float32)
+      return g.astype(wide) * back.astype(wide)
+
+    trained = jax.tree.map(scaled_back, grads["params"])
+    zeros = jax.tree.map(jnp.zeros_like, grads[self.key])  # the collection adds nothing
+    return with_params(grads, trained, zeros), (aux, grads[self.key])
+
+
+@dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
   """The core: a loss function's window sums over the ``k`` micro-batches of a batch."""
 
@@ -199,18 +237,6 @@ class MicrobatchedGrad:
       return self.options.aux_reduce
     return AuxReducers((self.options.aux_reduce.spec, "max_all"))
 
-  def _cotangent_total(self, batch: Any, num: Any, vary: tuple) -> jax.Array:
-    """fp8: the window's total weight (over ``vary``'s devices too), known before the loop:
-    micro-batch ``i``'s loss is scaled by ``w_i`` over it, the whole batch's cotangent, which
-    the fp8 output-gradient amax sees (docs/usage.md, "FP8")."""
-    wt, k = self.options.weighting, self.num_microbatches
-    if not wt.weighted:
-      return jnp.asarray(num, jnp.float32) * (jax.lax.psum(1, vary) if vary else 1)
-    i = jnp.arange(k)
-    ws = jax.vmap(lambda j: wt.total(wt.of(microbatch(batch, j, k))))(i)
-    total = jnp.sum(jnp.where(i < num, ws, 0.0))
-    return jax.lax.psum(total, vary) if vary else total
-
   def local_sums(
     self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None,
     in_place=True,
@@ -222,7 +248,7 @@ class MicrobatchedGrad:
     k, opts, ow = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
-    total = None if ow is None else self._cotangent_total(batch, num, vary)
+    fp8 = None if ow is None else Fp8.make(ow, opts.weighting, batch, k, num, vary)
     grad_fn = jax.value_and_grad(self._objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
@@ -243,23 +269,11 @@ class MicrobatchedGrad:
         seed = w if opts.weighting.weighted else None
         loss, aux, new_state = self._into(refs, p, start, mb, key, scale, seed)
         return Micro(loss, aux, (), w, new_state)
-      if ow is None:
-        (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, scale)
-        return Micro(loss, aux, grads, w, new_state)
-      # fp8: the backward pass at the whole batch's cotangent w / total; the gradient then
-      # scaled back to the sums' (w_i g_i), the collection's "gradient" reduced as aux.
-      part = jnp.where(total > 0, w / jnp.where(total > 0, total, 1), 0.0)  # 0: a void window
-      seed = part if scale is None else part * scale
+      seed = scale if fp8 is None else fp8.seed(w, scale)
       (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
-      back = jnp.where(w > 0, total / jnp.where(w > 0, w, 1), 0)  # 1 / part
-
-      def scaled_back(g):
-        wide = jnp.promote_types(g.dtype, jnp.float32)
-        return g.astype(wide) * back.astype(wide)
-
-      trained = jax.tree.map(scaled_back, grads["params"])
-      zeros = jax.tree.map(jnp.zeros_like, grads[ow])
-      return Micro(loss, (aux, grads[ow]), with_params(grads, trained, zeros), w, new_state)
+      if fp8 is not None:
+        grads, aux = fp8.split(grads, aux, w)
+      return Micro(loss, aux, grads, w, new_state)
 
     like = jax.eval_shape(one, 0, model_state)
 
