@@ -44,9 +44,6 @@ class DataParallel:
   def batch_spec(self) -> P:
     return P(self.axes[0] if len(self.axes) == 1 else self.axes)
 
-  def with_gather(self, gather: str) -> DataParallel:
-    return dataclasses.replace(self, gather=gather)
-
 
 def make_data_parallel(
   mesh: Any,
@@ -382,16 +379,15 @@ def reduce_over_data(
 
 
 def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) -> tuple:
-  """:func:`reduce_over_data` of a device's window sums and noise sums: ``(grad leaves, (sums
-  without grads, noise))``, each aux leaf reduced as ``reducers`` say."""
+  """:func:`reduce_over_data` of a device's window sums and noise sums: ``(sums, noise)``, each
+  aux leaf reduced as ``reducers`` say."""
   summed, maxed, minned = reducers.split(sums.aux)
   peaks = None if not jax.tree.leaves((maxed, minned)) else (maxed, minned)
   extra = (sums._replace(grads=(), aux=summed), noise)
   grads, extra = reduce_over_data(plans, jax.tree.leaves(sums.grads), extra, axes, scattered, peaks)
-  if peaks is None:
-    return grads, extra
-  (rest, noise), maxed, minned = extra
-  return grads, (rest._replace(aux=reducers.join(rest.aux, maxed, minned)), noise)
+  (rest, noise), *maxed_minned = extra if peaks else (extra,)
+  aux = reducers.join(rest.aux, *maxed_minned) if peaks else rest.aux
+  return rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads), aux=aux), noise
 
 
 def over_mesh(
@@ -465,8 +461,7 @@ def _per_device(dp, plans, core, acc_leaves, seeded, static,
   hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
   w = core.local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, hook)
   static["window"] = w
-  grads, (sums, noise) = reduce_sums(plans, w.sums, w.noise, dp.axes, per_mb, core.reducers)
-  sums = sums._replace(grads=treedef.unflatten(grads))
+  sums, noise = reduce_sums(plans, w.sums, w.noise, dp.axes, per_mb, core.reducers)
   sums, noise = core.per_device(sums, noise, dp.size, w.num)
   return sums, noise, reduce_state(w.model_state, dp.axes)
 
@@ -632,8 +627,7 @@ class Slots:
 
     def per_device(partial, noise):
       partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
-      grads, (rest, noise) = reduce_sums(plans, partial, noise, dp.axes, False, reducers)
-      return rest._replace(grads=treedef.unflatten(grads)), noise
+      return reduce_sums(plans, partial, noise, dp.axes, False, reducers)
 
     aux = jax.tree.map(lambda _: P(), own[0].aux)
     out = Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), aux)
