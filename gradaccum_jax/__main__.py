@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
       f" digits ({len(x_tr)} train / {len(x_te)} test), MLP 64-{args.hidden}-{args.hidden}-10,"
       f" {args.steps} adam updates of {rows} = {k} x {b} rows, from the same start, per case"
     )
-    hide = args.quiet or not sys.stderr.isatty()
-    bar = functools.partial(tqdm, disable=hide, leave=False)
+    bar = functools.partial(tqdm, disable=args.quiet or not sys.stderr.isatty(), leave=False)
     found = []  # (case number, name, Result, differs_because) of every run but the references
     for number, case in enumerate(_cases(args, windows), start=1):
       print(f"\n{number}. {case.title}")
@@ -186,7 +185,9 @@ def _cases(args, windows) -> list[Case]:
   adam, clipped = optax.adam(lr), optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
   outside = optax.chain(  # clipping and the schedule wrapped around MultiSteps
     optax.clip_by_global_norm(clip),
-    optax.inject_hyperparams(_multisteps_adam(k))(learning_rate=schedule),
+    optax.inject_hyperparams(
+      lambda learning_rate: optax.MultiSteps(optax.adam(learning_rate), k).gradient_transformation()
+    )(learning_rate=schedule),
   )
   mean_of_means = "a mean of per-micro-batch means, not the token mean"
   multisteps = f"optax.MultiSteps {k} x {b}"
@@ -214,15 +215,6 @@ def _cases(args, windows) -> list[Case]:
       }),
     ),
   ]  # fmt: skip
-
-
-def _multisteps_adam(k):
-  """``learning_rate -> MultiSteps(adam(learning_rate), k)``, for ``optax.inject_hyperparams``."""
-
-  def make(learning_rate):
-    return optax.MultiSteps(optax.adam(learning_rate), k).gradient_transformation()
-
-  return make
 
 
 def real_rows(microbatch):
@@ -307,20 +299,18 @@ def _run_case(number, case, params0, bar, data):
   train, test = jax.device_put(({"x": data[0], "y": data[1]}, {"x": data[2], "y": data[3]}))
   evaluate = jax.jit(loss_fn)  # two programs (train and test set), not one per operation
   print("| run | final train loss | test accuracy | ms / window (median) |\n|---|---|---|---|")
-  (ref_name, ref_run), *others = case.runs.items()
-  ref = _run(ref_run, params0, functools.partial(bar, desc=ref_name))
-  found = []
-  for name, run in [(ref_name, ref_run), *others]:
-    if name == ref_name:
-      result = ref
+  ref, found = None, []
+  for name, run in case.runs.items():
+    result = _run(run, params0, functools.partial(bar, desc=name), ref and ref.track)
+    if ref is None:
+      ref = result
+      if number == 1:  # its losses: the plot
+        found.append((number, name, result._replace(track=None), None))
     else:
-      result = _run(run, params0, functools.partial(bar, desc=name), ref.track)
       found.append((number, name, result, run.differs_because))
     train_loss = float(evaluate(result.params, train)[0])
     test_acc = float(evaluate(result.params, test)[1]["accuracy"])
     print(f"| {name} | {train_loss:.4f} | {test_acc:.4f} | {result.ms:.2f} |")
-  if number == 1:
-    found.insert(0, (number, ref_name, ref._replace(track=None), None))  # its losses: the plot
   return found
 
 

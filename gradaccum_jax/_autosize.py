@@ -11,11 +11,7 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, accumulate
 from gradaccum_jax._checks import check_batch, check_budget, check_num_microbatches
-from gradaccum_jax._memory import (
-  compiled_bytes,
-  device_memory_budget,
-  memory_analysis,
-)
+from gradaccum_jax._memory import compiled_bytes, device_memory_budget, memory_analysis
 from gradaccum_jax._train_step import train_step
 
 

@@ -196,7 +196,8 @@ def check_trainable(params: Any, what: str = "params", where: str | None = None)
   nnx = sys.modules.get("flax.nnx")  # imported by the user if params can be a module
   if where is not None and nnx is not None and isinstance(params, nnx.Module):
     others = nnx.state(params, nnx.Not(nnx.Param))
-    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(others, is_leaf=_is_variable)})
+    variables = jax.tree.leaves(others, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    kinds = sorted({type(v).__name__ for v in variables})
     if kinds:
       raise TypeError(
         f"{where}: {what} is an nnx.{type(params).__name__} with variables other than nnx.Param"
@@ -216,11 +217,6 @@ def check_trainable(params: Any, what: str = "params", where: str | None = None)
         " out of the differentiated params: pass it in the batch, a closure, or the model"
         " state (has_state=True); for equinox, filter with eqx.is_inexact_array."
       )
-
-
-def _is_variable(x: Any) -> bool:
-  nnx = sys.modules["flax.nnx"]
-  return isinstance(x, nnx.Variable)
 
 
 def check_real_microbatches(num_real: Any, k: int) -> jax.Array | None:
@@ -295,10 +291,9 @@ def check_state_like(new_state: Any, model_state: Any) -> None:
 
 def check_budget(budget: Any, where: str) -> None:
   """``memory_budget_bytes``, checked: a number of bytes > 0."""
-  if (
-    not check_real(budget, f"{where}: memory_budget_bytes={budget!r} must be a number of bytes") > 0
-  ):
-    raise ValueError(f"{where}: memory_budget_bytes={budget!r} must be > 0.")
+  must = f"{where}: memory_budget_bytes={budget!r} must be"
+  if not check_real(budget, f"{must} a number of bytes") > 0:
+    raise ValueError(f"{must} > 0.")
 
 
 def check_global_batch(batch: Any, dp: Any, k: int) -> None:

@@ -1,5 +1,4 @@
-"""``inspect_step`` and ``check_step``: what a compiled step communicates and holds, and whether
-one window of it moves the params as the single-device whole-batch update does."""
+"""``inspect_step``: what a compiled step communicates (collectives in and after its loops) and holds."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ class Options:
 
   def with_gather(self, gather: str) -> Options:
     """These options with the params gathered ``gather`` ("once" or "per_microbatch")."""
-    return dataclasses.replace(self, parallel=self.parallel.with_gather(gather))
+    return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, gather=gather))
 
 
 def make_options(

@@ -44,9 +44,6 @@ class DataParallel:
   def batch_spec(self) -> P:
     return P(self.axes[0] if len(self.axes) == 1 else self.axes)
 
-  def with_gather(self, gather: str) -> DataParallel:
-    return dataclasses.replace(self, gather=gather)
-
 
 def make_data_parallel(
   mesh: Any,
@@ -131,10 +128,16 @@ def place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
   return constrain(x, NamedSharding(mesh, spec))
 
 
-def off_data(x: Any, axes: tuple[str, ...]) -> P:
-  """``x``'s spec (on an explicit mesh) without the data ``axes``: replicated over them."""
-  kept = [tuple(n for n in _names(e) if n not in axes) for e in jax.typeof(x).sharding.spec]
-  return P(*[None if not n else n[0] if len(n) == 1 else n for n in kept])
+def _rows_and_rest(dp: DataParallel, batch: Any, rest: Sequence[Any]) -> tuple[Any, list]:
+  """On an explicit mesh, ``batch`` split over the data axes and each tree of ``rest`` replicated
+  over them only: a leaf sharded over a model axis keeps it."""
+
+  def off_data(x):
+    kept = [tuple(n for n in _names(e) if n not in dp.axes) for e in jax.typeof(x).sharding.spec]
+    return place(x, dp.mesh, P(*[None if not n else n[0] if len(n) == 1 else n for n in kept]))
+
+  batch = jax.tree.map(lambda x: place(x, dp.mesh, dp.batch_spec), batch)
+  return batch, [jax.tree.map(off_data, a) for a in rest]
 
 
 # Before jax 0.11 a shard_map manual over some axes of a mesh with other Explicit axes replicates
@@ -376,16 +379,15 @@ def reduce_over_data(
 
 
 def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) -> tuple:
-  """:func:`reduce_over_data` of a device's window sums and noise sums: ``(grad leaves, (sums
-  without grads, noise))``, each aux leaf reduced as ``reducers`` say."""
+  """:func:`reduce_over_data` of a device's window sums and noise sums: ``(sums, noise)``, each
+  aux leaf reduced as ``reducers`` say."""
   summed, maxed, minned = reducers.split(sums.aux)
   peaks = None if not jax.tree.leaves((maxed, minned)) else (maxed, minned)
   extra = (sums._replace(grads=(), aux=summed), noise)
   grads, extra = reduce_over_data(plans, jax.tree.leaves(sums.grads), extra, axes, scattered, peaks)
-  if peaks is None:
-    return grads, extra
-  (rest, noise), maxed, minned = extra
-  return grads, (rest._replace(aux=reducers.join(rest.aux, maxed, minned)), noise)
+  (rest, noise), *maxed_minned = extra if peaks else (extra,)
+  aux = reducers.join(rest.aux, *maxed_minned) if peaks else rest.aux
+  return rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads), aux=aux), noise
 
 
 def over_mesh(
@@ -401,9 +403,10 @@ def over_mesh(
   in_buffer: bool = False,
 ) -> Any:
   """Runs ``core.local_sums`` (a ``MicrobatchedGrad``'s single-device scan, returning a
-  ``Window``) on every device's rows under ``shard_map``, then reduces once (:func:`reduce_over_data`, :func:`reduce_state`).
-  Returns the batch's ``Window``, its gradients added to ``acc_init``: with ``in_buffer`` in the
-  scan, where a device starts from its share of ``acc_init``; else after the reduction."""
+  ``Window``) on every device's rows under ``shard_map``, then reduces once
+  (:func:`reduce_over_data`, :func:`reduce_state`). Returns the batch's ``Window``, its gradients
+  added to ``acc_init``: with ``in_buffer`` in the scan, where a device starts from its share of
+  ``acc_init``; else after the reduction."""
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
@@ -426,17 +429,10 @@ def over_mesh(
   per_device = functools.partial(_per_device, dp, plans, core, acc_leaves, seeded, static)
   args = (params, batch, rng, model_state, scale, num_real)
   args, seeds = _laid_out(dp, plans, args, seeds, seed_plans)
-  reduce = shard_map_over_data(
-    per_device,
-    dp,
-    in_specs=(
-      treedef.unflatten([P() if p.outside else p.manual for p in plans]), dp.batch_spec,
-      P(), P(), P(), P(),
-      tuple(p.manual for p in seed_plans),
-    ),
-    out_specs=(Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P()),
-  )  # fmt: skip
-  sums, noise, new_state = reduce(*args, seeds)
+  params_in = treedef.unflatten([P() if p.outside else p.manual for p in plans])
+  in_specs = (params_in, dp.batch_spec, P(), P(), P(), P(), tuple(p.manual for p in seed_plans))
+  out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P())
+  sums, noise, new_state = shard_map_over_data(per_device, dp, in_specs, out_specs)(*args, seeds)
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
@@ -465,8 +461,7 @@ def _per_device(dp, plans, core, acc_leaves, seeded, static,
   hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
   w = core.local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, hook)
   static["window"] = w
-  grads, (sums, noise) = reduce_sums(plans, w.sums, w.noise, dp.axes, per_mb, core.reducers)
-  sums = sums._replace(grads=treedef.unflatten(grads))
+  sums, noise = reduce_sums(plans, w.sums, w.noise, dp.axes, per_mb, core.reducers)
   sums, noise = core.per_device(sums, noise, dp.size, w.num)
   return sums, noise, reduce_state(w.model_state, dp.axes)
 
@@ -481,8 +476,7 @@ def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_pla
       lambda x, p: place(x, mesh, p.model_spec if p.outside else p.spec), params, plans
     )
   if explicit:
-    batch = jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), batch)
-    rest = [jax.tree.map(lambda x: place(x, mesh, off_data(x, dp.axes)), a) for a in rest]
+    batch, rest = _rows_and_rest(dp, batch, rest)
     seeds = tuple(place(a, mesh, p.spec) for a, p in zip(seeds, seed_plans, strict=True))
   return (params, batch, *rest), seeds
 
@@ -579,16 +573,15 @@ class Slots:
       return sums, noise
     mesh = self.dp.mesh
 
-    def one(x, spec=None, fill=None):
+    def one(x, spec=None, fill=0):
       spec = P() if spec is None else spec
       sharding = NamedSharding(mesh, self._spec(spec))
       x = place(jnp.asarray(x), mesh, spec)  # gathered over the data axes
       shape, dtype = (self.devices, *jnp.shape(x)), jnp.result_type(x)
-      start = jnp.zeros((), dtype) if fill is None else fill.astype(dtype)
-      zeros = jnp.full(shape, start, dtype, device=sharding)
+      zeros = jnp.full(shape, fill, dtype, device=sharding)
       if _explicit(mesh):  # a typed sharding
         return zeros.at[0].set(x, out_sharding=sharding)
-      return place(zeros.at[0].set(x), mesh, self._spec(spec))
+      return place(zeros.at[0].set(x), mesh, sharding.spec)
 
     grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
     rest, noise = jax.tree.map(one, (sums._replace(grads=(), aux=()), noise))
@@ -613,24 +606,16 @@ class Slots:
       new, new_model_state = local(params, mb, rng, own, model_state, scale, axes)
       return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
 
-    args = (params, mb, rng, own, model_state, scale)
     if _explicit(mesh):
       slot, (partial, noise) = self._spec(), own
       grad_specs = _per_leaf(lambda _, p: self._spec(p.model_spec), partial.grads, plans)
       specs = (Sums(grad_specs, slot, slot, self._specs(partial.aux)), self._specs(noise))
-      # Replicated over the data axes only: state sharded over a model axis keeps it.
-      rest = [
-        jax.tree.map(lambda x: place(x, mesh, off_data(x, axes)), a) for a in (model_state, scale)
-      ]
-      args = (
-        params, jax.tree.map(lambda x: place(x, mesh, dp.batch_spec), mb), rng,
-        jax.tree.map(lambda x, s: place(x, mesh, s), own, specs), *rest,
-      )  # fmt: skip
+      own = jax.tree.map(lambda x, s: place(x, mesh, s), own, specs)
+      mb, (model_state, scale) = _rows_and_rest(dp, mb, (model_state, scale))
     own_specs = self._specs(own)
-    add = shard_map_over_data(
-      per_device, dp, (P(), dp.batch_spec, P(), own_specs, P(), P()), (own_specs, P())
-    )
-    return add(*args)
+    in_specs = (P(), dp.batch_spec, P(), own_specs, P(), P())
+    add = shard_map_over_data(per_device, dp, in_specs, (own_specs, P()))
+    return add(params, mb, rng, own, model_state, scale)
 
   def reduce(self, params: Any, own: tuple[Sums, Any], reducers: Any) -> tuple[Sums, Any]:
     """The window's sums: the slots reduced (one all-reduce, reduce-scatters for data-sharded
@@ -642,8 +627,7 @@ class Slots:
 
     def per_device(partial, noise):
       partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
-      grads, (rest, noise) = reduce_sums(plans, partial, noise, dp.axes, False, reducers)
-      return rest._replace(grads=treedef.unflatten(grads)), noise
+      return reduce_sums(plans, partial, noise, dp.axes, False, reducers)
 
     aux = jax.tree.map(lambda _: P(), own[0].aux)
     out = Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), aux)
