@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from gradaccum_jax._accumulate import as_accumulate
-from gradaccum_jax._memory import auto_gather
+from gradaccum_jax._memory import gathered
 from gradaccum_jax._options import LossSpec, Options, make_options, split_output
 from gradaccum_jax._parts import overwrite_key
 from gradaccum_jax._train_step import JitStep, fused_step
@@ -248,10 +248,4 @@ def linen_train_step(
     grads_in_place=grads_in_place, aux_reduce=aux_reduce,
   )  # fmt: skip
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
-  if gather_params != "auto":
-    return _linen_step(model, opts, donate, jit)
-
-  def build(gather):
-    return _linen_step(model, opts.with_gather(gather), donate, True)
-
-  return auto_gather(build, opts.parallel.budget, jit, "linen_train_step")
+  return gathered(lambda o, j: _linen_step(model, o, donate, j), opts, jit)

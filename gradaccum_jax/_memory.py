@@ -88,9 +88,13 @@ class AutoGatherStep:
     return program(*args, **lowered_kwargs)
 
 
-def auto_gather(build: Callable[[str], Any], budget: int, jit: bool, where: str) -> AutoGatherStep:
-  """``gather_params="auto"`` for any front end, ``build(gather)`` making its jitted step for one
-  policy; ``jit=False`` is refused, naming ``where``: "auto" compiles."""
+def gathered(build: Callable[[Any, bool], Any], opts: Any, jit: bool) -> Any:
+  """Any front end's step: ``build(opts, jit)``, or with ``gather_params="auto"`` an
+  :class:`AutoGatherStep` over both policies' jitted steps (``jit=False`` is refused: "auto"
+  compiles)."""
+  if opts.parallel is None or opts.parallel.gather != "auto":
+    return build(opts, jit)
   if not jit:
-    raise ValueError(f"{where}: gather_params='auto' compiles the step, so it needs jit=True.")
-  return AutoGatherStep({g: build(g) for g in ("once", "per_microbatch")}, budget)
+    raise ValueError(f"{opts.where}: gather_params='auto' compiles the step, so it needs jit=True.")
+  steps = {g: build(opts.with_gather(g), True) for g in ("once", "per_microbatch")}
+  return AutoGatherStep(steps, opts.parallel.budget)

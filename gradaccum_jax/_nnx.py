@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum_jax._accumulate import as_accumulate
-from gradaccum_jax._memory import auto_gather
+from gradaccum_jax._memory import gathered
 from gradaccum_jax._model_state import batchnorm_leaves
 from gradaccum_jax._options import Options, make_options, split_output
 from gradaccum_jax._train_step import JitStep, fused_step
@@ -145,10 +145,4 @@ def nnx_train_step(
     gather_params=gather_params, memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
     grads_in_place=grads_in_place, aux_reduce=aux_reduce,
   )  # fmt: skip
-  if gather_params != "auto":
-    return _nnx_step(nnx, opts, donate, jit)
-
-  def build(gather):
-    return _nnx_step(nnx, opts.with_gather(gather), donate, True)
-
-  return auto_gather(build, opts.parallel.budget, jit, "nnx_train_step")
+  return gathered(lambda o, j: _nnx_step(nnx, o, donate, j), opts, jit)

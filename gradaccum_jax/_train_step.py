@@ -22,7 +22,7 @@ from gradaccum_jax._checks import (
   check_real_microbatches,
   check_same_structure,
 )
-from gradaccum_jax._memory import auto_gather
+from gradaccum_jax._memory import gathered
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import NoiseSums, add_window
 from gradaccum_jax._options import Options, make_options
@@ -122,11 +122,7 @@ def train_step(
     donated = tuple(range(3 if has_state else 2)) if donate else ()
     return JitStep(jax.jit(step, donate_argnums=donated), lambda args: k)
 
-  if gather_params == "auto":
-    return auto_gather(
-      lambda g: build(opts.with_gather(g)), opts.parallel.budget, jit, "train_step"
-    )
-  return build(opts, jit)
+  return gathered(build, opts, jit)
 
 
 class JitStep:
