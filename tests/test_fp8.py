@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax.training import train_state
 from helpers import assert_trees_close
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 
@@ -229,3 +230,30 @@ def test_other_collections_beside_the_fp8_one_are_refused():
     match="train_step: params holds Flax's '_overwrite_with_gradient' collection \\(fp8\\) and \\['batch_stats'\\]",
   ):
     ga.train_step(variables_loss, tx)(params, tx.init(VARIABLES["params"]), batches(1)[0])
+
+
+@pytest.mark.parametrize("gather", ["once", "per_microbatch"])
+def test_fsdp_params_equal_the_big_batch(gather):
+  """FSDP: the kernels sharded over the 8 devices (param_specs for the whole variables dict),
+  gathered once or per micro-batch; the collection replicated, reduced by one pmax."""
+  net = Net()
+  variables = net.init(jax.random.key(0), jnp.ones((1, 8)))
+  rng = np.random.default_rng(1)
+  batch = {
+    "x": jnp.asarray(rng.standard_normal((B, 8)), jnp.float32),
+    "y": jnp.asarray(rng.standard_normal(B), jnp.float32),
+  }
+  specs = jax.tree.map(lambda x: P("data") if x.ndim == 2 else P(), variables)
+  ref = train_state.TrainState.create(apply_fn=net.apply, params=variables, tx=INNER)
+  grads = jax.grad(lambda v: mse(net.apply(v, batch["x"]), batch))(ref.params)
+  ref = ref.apply_gradients(grads=grads)
+  ours = train_state.TrainState.create(
+    apply_fn=net.apply, params=variables, tx=ga.accumulate(INNER, 4)
+  )
+  step = ga.linen_train_step(
+    net, mse, inputs="x", mesh=jax.make_mesh((8,), ("data",)), param_specs=specs,
+    gather_params=gather,
+  )  # fmt: skip
+  ours, _ = step(ours, batch)
+  assert ours.params["params"]["Dense_0"]["kernel"].sharding.spec[0] == "data"
+  assert_window_equal(ours.params, ref.params, variables, exact=True)
