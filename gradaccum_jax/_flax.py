@@ -205,7 +205,8 @@ def linen_train_step(
 
   ``step(train_state, batch, rng=None)`` is :func:`train_step` (``has_state=True``) for
   ``train_state.tx = ga.accumulate(inner, k)`` and the loss ``loss_fn(module.apply(...,
-  mutable=["batch_stats"]), microbatch)``, ``batch_stats`` threaded. More: docs/models.md.
+  mutable=["batch_stats"]), microbatch)``, ``batch_stats`` threaded. More: docs/models.md;
+  fp8 (``train_state.params`` the variables with ``"_overwrite_with_gradient"``): docs/usage.md.
 
   Args:
     module: the ``flax.linen.Module`` (``module.apply`` is called, not ``apply_fn``).

@@ -158,9 +158,8 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
 
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)
-    ow = overwrite_key(
-      params, opts.where
-    )  # fp8: the optimizer trains params["params"] (Flax's TrainState)
+    # fp8 variables: the optimizer trains params["params"], as Flax's TrainState does
+    ow = overwrite_key(params, opts.where)
     trained = params if ow is None else params["params"]
     check_same_structure(trained, state.acc_grads, "params" if ow is None else "params['params']")
     num_real = check_real_microbatches(num_real, k)
