@@ -376,9 +376,8 @@ def value_and_grad(
 
   def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
     num_real = check_real_microbatches(num_real_microbatches, k)
-    ow = overwrite_key(
-      params, "value_and_grad"
-    )  # fp8: the new values of that collection as its "gradient"
+    # fp8 variables: the collection's "gradient" is its window's new value
+    ow = overwrite_key(params, "value_and_grad")
     trained = params if ow is None else params["params"]
     zeros = zeros_accumulator(trained, accum_dtype)
     w = mg.sums(params, batch, rng, zeros, model_state, None, num_real)
