@@ -199,42 +199,8 @@ class MicroStep:
     if like["in_place"]:  # the micro-batch's gradient was added into the accumulator itself
       sums = sums._replace(grads=new[0].grads)
     state = _with_partials(state, sums, noise)
-    emit = acc_state.micro_step + 1 >= self._acc.window_size(acc_state.count)
-
-    # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
-    # only read the partial sums; they are cleared after it, in place (as in _close_if).
-    # Donated, the closing branch writes the new params over the old ones (the plain step's
-    # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
-    # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
-    in_place, has_aux = self._in_place, self._opts.loss.has_aux
-    mode = "cond_apply" if in_place else "cond"
-
-    def close(params, new_model_state, state):
-      args = (params, new_model_state, state, like["like"])
-      reducers = self._opts.aux_reduce
-      return jnp.ones((), bool), *_close_window(self._acc, slots, mode, has_aux, reducers, *args)
-
-    def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
-      closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
-      kept = params if in_place else jax.tree.map(jnp.zeros_like, params)  # typed as params
-      acc = state.accumulate
-      acc = acc._replace(micro_step=optax.safe_increment(acc.micro_step), updated=closed)
-      nan = jax.tree.map(lambda m: m if not is_inexact(m) else jnp.full_like(m, jnp.nan), metrics)
-      return closed, kept, new_model_state, state._replace(accumulate=acc), nan
-
-    closed, out, new_model_state, state, metrics = jax.lax.cond(
-      emit, close, hold, params, new_model_state, state
-    )
-    sums, noise = _partials(state)
-    start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max or min starts elsewhere
-    start = (start[0]._replace(aux=self._opts.aux_reduce.init(sums.aux)), start[1])
-    empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
-    new_params = place_params(slots.dp, out if in_place else optax.apply_updates(params, out))
-    # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
-    # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
-    acc_state = state.accumulate
-    metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
-    return new_params, new_model_state, _with_partials(state, *empty), metrics
+    args = (params, new_model_state, state, like["like"])
+    return _close_or_hold(self._acc, slots, self._opts, self._in_place, *args)
 
   def _local(self, like, params, mb, rng, own, model_state, scale, axes):
     """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model
@@ -252,6 +218,46 @@ class MicroStep:
     # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
     devices = self._slots.devices
     return self._mg.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
+
+
+def _close_or_hold(acc, slots, opts, in_place, params, new_model_state, state, like):
+  """The call's end: the window closed if this micro-batch completes it, else held; then the
+  partial sums cleared where it closed. ``(new params, model state, state, metrics)``."""
+  # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
+  # only read the partial sums; they are cleared after it, in place (as in _close_if).
+  # Donated, the closing branch writes the new params over the old ones (the plain step's
+  # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
+  # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
+  mode, reducers = ("cond_apply" if in_place else "cond"), opts.aux_reduce
+  emit = state.accumulate.micro_step + 1 >= acc.window_size(state.accumulate.count)
+
+  def close(params, new_model_state, state):
+    args = (params, new_model_state, state, like)
+    return jnp.ones((), bool), *_close_window(acc, slots, mode, opts.loss.has_aux, reducers, *args)
+
+  def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
+    closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
+    kept = params if in_place else jax.tree.map(jnp.zeros_like, params)  # typed as params
+    acc_state = state.accumulate
+    acc_state = acc_state._replace(
+      micro_step=optax.safe_increment(acc_state.micro_step), updated=closed
+    )
+    nan = jax.tree.map(lambda m: m if not is_inexact(m) else jnp.full_like(m, jnp.nan), metrics)
+    return closed, kept, new_model_state, state._replace(accumulate=acc_state), nan
+
+  closed, out, new_model_state, state, metrics = jax.lax.cond(
+    emit, close, hold, params, new_model_state, state
+  )
+  sums, noise = _partials(state)
+  start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max or min starts elsewhere
+  start = (start[0]._replace(aux=reducers.init(sums.aux)), start[1])
+  empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
+  new_params = place_params(slots.dp, out if in_place else optax.apply_updates(params, out))
+  # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
+  # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
+  acc_state = state.accumulate
+  metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
+  return new_params, new_model_state, _with_partials(state, *empty), metrics
 
 
 def _close_window(acc, slots, mode, has_aux, reducers, params, new_model_state, state, like):

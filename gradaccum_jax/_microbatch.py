@@ -140,6 +140,35 @@ class Fp8:
     zeros = jax.tree.map(jnp.zeros_like, grads[self.key])  # the collection adds nothing
     return with_params(grads, trained, zeros), (aux, grads[self.key])
 
+  @staticmethod
+  def window(w: Window, reducers: AuxReducers) -> Window:
+    """The window of the trained params (``w``'s sums of the variables): the collection's
+    reduced "gradient", its new value, in ``overwrite``."""
+    (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
+    sums = w.sums._replace(grads=w.sums.grads["params"], aux=aux)
+    return w._replace(sums=sums, aux_like=aux_like, reducers=reducers, overwrite=new)
+
+
+def _add_into(objective, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
+  """``(loss, aux, new_model_state)`` of one micro-batch whose gradient of ``objective``
+  (:meth:`_options.Options.objective`), weighted by ``w`` (the backward pass's seed), is added
+  into ``refs``; weighted, a micro-batch of weight ``<= 0`` runs forward only, so even a NaN
+  adds nothing."""
+
+  @jax.named_scope(IN_PLACE_SCOPE)  # how ga.inspect_step tells (StepReport.grads_in_place)
+  def run(_):
+    out, vjp_fn, rest = jax.vjp(
+      lambda p: objective(p, model_state, mb, key, scale), params, has_aux=True
+    )
+    seed = jnp.ones_like(out) if w is None else jnp.broadcast_to(w.astype(out.dtype), out.shape)
+    vjp_fn.with_refs(refs)(seed)
+    return rest
+
+  def forward_only(_):
+    return objective(params, model_state, mb, key, scale)[1]
+
+  return run(None) if w is None else jax.lax.cond(w > 0, run, forward_only, None)
+
 
 @dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
@@ -164,36 +193,6 @@ class MicrobatchedGrad:
     plain = not self.noise_sums and per_micro is None and self.overwrite is None
     return plain and types == acc and not running
 
-  def _into(self, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
-    """``(loss, aux, new_model_state)`` of one micro-batch whose gradient, weighted by ``w``
-    (the backward pass's seed), is added into ``refs``; weighted, a micro-batch of weight
-    ``<= 0`` runs forward only, so even a NaN adds nothing."""
-
-    @jax.named_scope(IN_PLACE_SCOPE)  # how ga.inspect_step tells (StepReport.grads_in_place)
-    def run(_):
-      out, vjp_fn, rest = jax.vjp(
-        lambda p: self._objective(p, model_state, mb, key, scale), params, has_aux=True
-      )
-      seed = jnp.ones_like(out) if w is None else jnp.broadcast_to(w.astype(out.dtype), out.shape)
-      vjp_fn.with_refs(refs)(seed)
-      return rest
-
-    def forward_only(_):
-      return self._objective(params, model_state, mb, key, scale)[1]
-
-    return run(None) if w is None else jax.lax.cond(w > 0, run, forward_only, None)
-
-  def _objective(self, params, model_state, mb, key, scale):
-    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
-    dtype = self.options.compute_dtype
-    if dtype is not None:  # mixed precision: float params cast, others unchanged
-      params = jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
-      )
-    loss, aux, new_state = self.options.loss.call(params, model_state, mb, key)
-    scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-    return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
-
   def sums(
     self, params, batch, rng, acc_init, model_state=None, scale=None, num_real=None, in_buffer=False
   ) -> Window:
@@ -210,11 +209,7 @@ class MicrobatchedGrad:
     else:
       check_accumulator_on_mesh(acc_init, self.options.where)
       w = over_mesh(dp, core, params, batch, rng, acc_init, model_state, scale, num_real, in_buffer)
-    if ow is None:
-      return w
-    (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
-    sums = w.sums._replace(grads=w.sums.grads["params"], aux=aux)
-    return w._replace(sums=sums, aux_like=aux_like, reducers=self.reducers, overwrite=new)
+    return w if ow is None else Fp8.window(w, self.reducers)
 
   def _noise_unit(self) -> NoiseUnit | Off:
     return NoiseUnit(self.options.weighting) if self.noise_sums else Off()
@@ -249,7 +244,7 @@ class MicrobatchedGrad:
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
     fp8 = None if ow is None else Fp8.make(ow, opts.weighting, batch, k, num, vary)
-    grad_fn = jax.value_and_grad(self._objective, has_aux=True)
+    grad_fn = jax.value_and_grad(self.options.objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
     sums_unit = self._sums_unit()
@@ -267,7 +262,9 @@ class MicrobatchedGrad:
       w = opts.weighting.of(mb)
       if refs is not None:  # added in place: the units see no gradient
         seed = w if opts.weighting.weighted else None
-        loss, aux, new_state = self._into(refs, p, start, mb, key, scale, seed)
+        loss, aux, new_state = _add_into(
+          self.options.objective, refs, p, start, mb, key, scale, seed
+        )
         return Micro(loss, aux, (), w, new_state)
       seed = scale if fp8 is None else fp8.seed(w, scale)
       (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)

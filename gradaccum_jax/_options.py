@@ -115,6 +115,17 @@ class Options:
   def has_state(self) -> bool:
     return self.loss.has_state
 
+  def objective(self, params, model_state, mb, key, scale):
+    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
+    dtype = self.compute_dtype
+    if dtype is not None:  # mixed precision: float params cast, others unchanged
+      params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
+      )
+    loss, aux, new_state = self.loss.call(params, model_state, mb, key)
+    scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+    return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
+
   def with_gather(self, gather: str) -> Options:
     """These options with the params gathered ``gather`` ("once" or "per_microbatch")."""
     return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, gather=gather))
