@@ -306,3 +306,16 @@ def check_global_batch(batch: Any, dp: Any, k: int) -> None:
       f" its B / {dp.size} rows into {k} micro-batches. Use a batch size that is a multiple"
       f" of {dp.size * k}."
     )
+
+
+def check_linen_args(inputs: Any, train_kwargs: Any, rng_collections: Any) -> tuple[str, ...]:
+  """``linen_train_step``'s ``inputs``, ``train_kwargs`` and ``rng_collections`` checked; the
+  collections' names as a tuple."""
+  names = (rng_collections,) if isinstance(rng_collections, str) else tuple(rng_collections)
+  if not (isinstance(inputs, str) or callable(inputs)):
+    raise TypeError(f"{inputs=} must be a batch key or a callable microbatch -> apply's arguments.")
+  if train_kwargs is not None and not isinstance(train_kwargs, dict):
+    raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
+  if not all(isinstance(n, str) for n in names):
+    raise TypeError(f"{rng_collections=} must be flax RNG collection names, e.g. ('dropout',).")
+  return names

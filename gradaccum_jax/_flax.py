@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from gradaccum_jax._accumulate import as_accumulate
+from gradaccum_jax._checks import check_linen_args
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._options import LossSpec, Options, make_options, split_output
 from gradaccum_jax._parts import overwrite_key
@@ -28,15 +29,7 @@ class _LinenModel:
 
   @classmethod
   def make(cls, module, inputs, train_kwargs, rng_collections) -> _LinenModel:
-    names = (rng_collections,) if isinstance(rng_collections, str) else tuple(rng_collections)
-    if not (isinstance(inputs, str) or callable(inputs)):
-      raise TypeError(
-        f"{inputs=} must be a batch key or a callable microbatch -> apply's arguments."
-      )
-    if train_kwargs is not None and not isinstance(train_kwargs, dict):
-      raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
-    if not all(isinstance(n, str) for n in names):
-      raise TypeError(f"{rng_collections=} must be flax RNG collection names, e.g. ('dropout',).")
+    names = check_linen_args(inputs, train_kwargs, rng_collections)
     try:
       import flax.linen  # flax.core and flax.errors come with it
     except ImportError as e:  # pragma: no cover - flax is installed with the test extra
