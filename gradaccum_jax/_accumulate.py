@@ -13,9 +13,9 @@ import optax
 
 from gradaccum_jax._checks import (
   NumMicrobatches,
+  check_decay,
   check_migrated,
   check_num_microbatches,
-  check_real,
   check_same_structure,
   check_scheduled_k,
   check_trainable,
@@ -569,13 +569,8 @@ def accumulate(
   if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
     raise TypeError(f"loss_scale must be a ga.DynamicLossScale or None, got {loss_scale!r}.")
   if noise_scale_ema is not None:
-    must = "noise_scale_ema must be a float decay in [0, 1) (e.g. 0.99) or None"
-    noise_scale_ema = check_real(noise_scale_ema, must)
-    if not 0.0 <= noise_scale_ema < 1.0:
-      raise ValueError(
-        f"noise_scale_ema must be a decay in [0, 1) (e.g. 0.99; 0 keeps only the last"
-        f" window), got {noise_scale_ema!r}."
-      )
+    example = "0.99; 0 keeps only the last window"
+    noise_scale_ema = check_decay(noise_scale_ema, "noise_scale_ema", example)
   acc = Accumulator(
     inner=optax.with_extra_args_support(inner),
     num_microbatches=k,

@@ -38,6 +38,60 @@ def check_bool(value: Any, name: str) -> bool:
   return bool(value)
 
 
+def check_positive_int(value: Any, must: str) -> int:
+  """``value`` as an int, or ``"{must}"``: a TypeError for a non-integer (or a bool), a
+  ValueError for one below 1."""
+  n = check_int(value, must)
+  if n <= 0:
+    raise ValueError(must)
+  return n
+
+
+def check_choice(value: Any, name: str, choices: Any, where: str | None = None) -> None:
+  """A ValueError naming ``name`` (and ``where``, the function called) unless ``value`` is one
+  of ``choices``."""
+  if value not in choices:
+    prefix = "" if where is None else f"{where}: "
+    listing = ", ".join(map(repr, choices))
+    raise ValueError(f"{prefix}{name}={value!r} must be one of {listing}.")
+
+
+def check_decay(value: Any, name: str, example: str) -> float:
+  """``value`` as a float in ``[0, 1)``: a TypeError if it is not a real number, a ValueError
+  if it is out of range; ``example`` follows "e.g." in both."""
+  value = check_real(value, f"{name} must be a float decay in [0, 1) (e.g. {example}) or None")
+  if not 0.0 <= value < 1.0:
+    raise ValueError(f"{name} must be a decay in [0, 1) (e.g. {example}), got {value!r}.")
+  return value
+
+
+def check_function(value: Any, must: str) -> None:
+  """A TypeError ``"{must}, got {value!r:.80}."`` unless ``value`` is callable."""
+  if not callable(value):
+    raise TypeError(f"{must}, got {value!r:.80}.")
+
+
+def check_float_dtype(dtype: Any, name: str, where: str) -> Any:
+  """``dtype`` as a NumPy dtype, or a ValueError: it must be a float dtype."""
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{where}: {name}={dtype} must be a float dtype.")
+  return dtype
+
+
+def check_aux_reduce(spec: Any, has_aux: bool, names: tuple[str, ...], where: str) -> None:
+  """``aux_reduce``'s leaves each one of ``names``, and given only with ``has_aux``."""
+  leaves = jax.tree.leaves(spec)
+  if leaves and not has_aux:
+    raise ValueError(f"{where}: aux_reduce={spec!r} is given without has_aux=True.")
+  for name in leaves:
+    if name not in names:
+      raise ValueError(
+        f"{where}: aux_reduce names the reducer {name!r}; each leaf must be one of"
+        f" {names} (or None for the default)."
+      )
+
+
 def is_inexact(x: Any) -> bool:
   """Whether ``x`` is a float or complex array (or Python number)."""
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)

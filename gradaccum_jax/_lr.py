@@ -9,7 +9,7 @@ from typing import Any
 
 import optax
 
-from gradaccum_jax._checks import check_int
+from gradaccum_jax._checks import check_int, check_positive_int
 
 _RULES = {"linear": lambda kappa: kappa, "sqrt": math.sqrt, "none": lambda kappa: 1.0}
 _WARMUP_FROM = {"base": 1.0, "zero": 0.0}  # the multiplier the warmup starts from
@@ -18,8 +18,7 @@ _WARMUP_FROM = {"base": 1.0, "zero": 0.0}  # the multiplier the warmup starts fr
 def _kappa(base_batch_size: Any, batch_size: Any) -> float:
   """``batch_size / base_batch_size``, after checking both are positive ints."""
   for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
-    if check_int(value, f"{name}={value!r} must be a positive int (a number of examples).") <= 0:
-      raise ValueError(f"{name}={value} must be a positive int (a number of examples).")
+    check_positive_int(value, f"{name}={value!r} must be a positive int (a number of examples).")
   return operator.index(batch_size) / operator.index(base_batch_size)
 
 

@@ -10,7 +10,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._checks import check_batchnorm, check_bool, check_state_like
+from gradaccum_jax._checks import (
+  check_aux_reduce,
+  check_batchnorm,
+  check_bool,
+  check_float_dtype,
+  check_function,
+  check_state_like,
+)
 from gradaccum_jax._parts import AUX_REDUCERS, AuxReducers, Weighting
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 
@@ -151,26 +158,13 @@ def make_options(
   aux_reduce: Any = None,
 ) -> Options:
   """Validates the options of ``where`` (a public function's name) and builds them."""
-  if not callable(loss_fn):
-    raise TypeError(f"{where}: loss_fn must be a function, got {loss_fn!r:.80}.")
-  if weight_fn is not None and not callable(weight_fn):
-    raise TypeError(
-      f"{where}: weight_fn must be a function microbatch -> scalar weight, got {weight_fn!r:.80}."
-    )
+  check_function(loss_fn, f"{where}: loss_fn must be a function")
+  if weight_fn is not None:
+    check_function(weight_fn, f"{where}: weight_fn must be a function microbatch -> scalar weight")
   check_batchnorm(batchnorm, batchnorm_momentum, bool(has_state), from_model=momentum_from_model)
   if compute_dtype is not None:
-    compute_dtype = jnp.dtype(compute_dtype)
-    if not jnp.issubdtype(compute_dtype, jnp.floating):
-      raise ValueError(f"{where}: compute_dtype={compute_dtype} must be a float dtype.")
-  names = jax.tree.leaves(aux_reduce)
-  if names and not has_aux:
-    raise ValueError(f"{where}: aux_reduce={aux_reduce!r} is given without has_aux=True.")
-  for name in names:
-    if name not in AUX_REDUCERS:
-      raise ValueError(
-        f"{where}: aux_reduce names the reducer {name!r}; each leaf must be one of"
-        f" {AUX_REDUCERS} (or None for the default)."
-      )
+    compute_dtype = check_float_dtype(compute_dtype, "compute_dtype", where)
+  check_aux_reduce(aux_reduce, bool(has_aux), AUX_REDUCERS, where)
   return Options(
     loss=LossSpec(loss_fn, bool(has_aux), bool(has_state)),
     weighting=Weighting(weight_fn),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._checks import check_budget, check_global_batch, is_inexact
+from gradaccum_jax._checks import check_budget, check_choice, check_global_batch, is_inexact
 from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import Micro, Sums, SumsUnit
 
@@ -54,11 +54,7 @@ def make_data_parallel(
   memory_budget_bytes: int | None = None,
 ) -> DataParallel | None:
   """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
-  if gather_params not in GATHER_POLICIES:
-    raise ValueError(
-      f"{where}: gather_params={gather_params!r} must be one of"
-      f" {', '.join(map(repr, GATHER_POLICIES))}."
-    )
+  check_choice(gather_params, "gather_params", GATHER_POLICIES, where)
   if memory_budget_bytes is not None:
     if gather_params != "auto":
       raise ValueError(
