@@ -6,6 +6,7 @@ runs alternate between the two, so the machine's load drifts over both alike. Re
 the medians over runs of the referee's own medians and ratios, and each pair's new / old.
 
   python benchmarks/ab_referee.py --old e0370a6 --bs 8,32,256 --reps 4 --out benchmarks/results
+  python benchmarks/ab_referee.py --old e0370a6 --opt muon --bs 32 --reps 2
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ RATIOS = {
 }
 
 
-def referee(src: Path, b: int, referee: Path) -> dict:
+def referee(src: Path, b: int, referee: Path, opt: str = "adam") -> dict:
   env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}
   out = subprocess.run(
-    [sys.executable, str(referee), "--b", str(b)], capture_output=True, text=True, env=env,
+    [sys.executable, str(referee), "--b", str(b), "--opt", opt], capture_output=True, text=True, env=env,
     cwd=tempfile.gettempdir(), check=True, timeout=900,
   )  # fmt: skip
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -43,6 +44,7 @@ def main(argv=None):
   ap.add_argument("--old", required=True, help="the git commit to compare the working tree with")
   ap.add_argument("--bs", default="8,32,256")
   ap.add_argument("--reps", type=int, default=4)
+  ap.add_argument("--opt", default="adam", help="the referee's optimizer: adam or muon")
   ap.add_argument("--referee", default=str(REFEREE))
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
@@ -55,12 +57,12 @@ def main(argv=None):
       for b in map(int, args.bs.split(",")):
         for _ in range(args.reps):
           for name, src in (("old", old), ("new", ROOT)):
-            runs[b][name].append(referee(src, b, Path(args.referee))["ms"])
+            runs[b][name].append(referee(src, b, Path(args.referee), args.opt)["ms"])
     finally:
       subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)])
   lines = [
     f"# The referee on two versions: {args.old} (old) against the working tree (new)\n",
-    f"`side_by_side.py --b B`, adam, k = 8, {args.reps} runs of each version per b, alternating;"
+    f"`side_by_side.py --b B --opt {args.opt}`, k = 8, {args.reps} runs of each version per b, alternating;"
     " each run's figure is the referee's median of its rounds; below, the median over runs.\n",
     "| b | version | ga ms | " + " | ".join(RATIOS) + " | new / old ga ms, per pair |",
     "|---" * (4 + len(RATIOS)) + "|",
@@ -78,8 +80,9 @@ def main(argv=None):
   md = "\n".join(lines) + "\n"
   print(md)
   if args.out:
-    Path(args.out, "ab_referee.md").write_text(md)
-    Path(args.out, "ab_referee.json").write_text(json.dumps({"old": args.old, "runs": runs}))
+    stem = "ab_referee" if args.opt == "adam" else f"ab_referee_{args.opt}"
+    Path(args.out, f"{stem}.md").write_text(md)
+    Path(args.out, f"{stem}.json").write_text(json.dumps({"old": args.old, "runs": runs}))
 
 
 if __name__ == "__main__":
