@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -213,6 +214,24 @@ class Closed(NamedTuple):
   noise: tuple[jax.Array, jax.Array] | tuple[()]  # this window's |G|^2 and tr(Sigma) estimates
 
 
+def has_matrix_products(fn: Callable[..., Any], *args: Any) -> bool:
+  """Whether ``fn(*args)`` computes a ``dot_general``, at any depth of its program (traced for
+  its shapes, not run)."""
+
+  def holds(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        return True
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+          if hasattr(sub, "eqns") and holds(sub):
+            return True
+    return False
+
+  return holds(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulator:
   """The core of one ``accumulate`` transformation: its settings, ``init`` and ``update``,
@@ -287,14 +306,18 @@ class Accumulator:
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
 
-    # Closed in place ("loop"), the update reads a mean made once, before its loop: fused into
-    # the update's uses instead, muon's window took 1.05-1.12x as long on XLA:CPU, with adam's
-    # time and every compiled peak of tests/test_memory.py the same (docs/benchmarks.md).
-    made = jax.lax.optimization_barrier(mean_fn()) if mode == "loop" else None
+    made = None
 
     def inner(params, inner_state):
       mean = mean_fn() if made is None else made
       return inner_update(self.inner, mean, inner_state, params, extra_args)
+
+    # Closed in place ("loop"), an update with matrix products (muon's Newton-Schulz iterations)
+    # reads a mean made once, before its loop: fused into its elementwise uses instead, muon's
+    # window took 1.05-1.08x as long on XLA:CPU. An elementwise update (adam, sgd) reads it fused
+    # in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
+    if mode == "loop" and has_matrix_products(inner, params, state.inner_state):
+      made = jax.lax.optimization_barrier(mean_fn())
 
     updates, inner_state, cleared = _CLOSERS[mode](ok, inner, acc_grads, params, state.inner_state)
     noise, estimates = after_window(

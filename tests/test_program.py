@@ -370,3 +370,27 @@ def test_a_ga_micro_step_that_does_not_close_the_window_copies_no_state():
   step = ga.micro_step(xent_loss, tx, donate=True)
   mb = make_batch(jax.random.key(1), 8, d_in=64, num_classes=8)
   assert state_copies(step.lower(params, step.init(params), mb).compile()) == []
+
+
+def test_only_an_update_with_matrix_products_reads_a_mean_made_once():
+  """Donated, an update with matrix products (muon) reads the window's mean made once before
+  its loop (an optimization barrier in the lowered program); an elementwise one (adam) reads
+  it fused and its program holds no barrier. Both give the whole batch's update."""
+  from gradaccum_jax._accumulate import has_matrix_products
+
+  x = jnp.ones((3, 3))
+  assert not has_matrix_products(lambda a: jnp.tanh(a) * 2, x)
+  assert has_matrix_products(lambda a: jax.lax.scan(lambda c, _: (c @ c, None), a, None, 2)[0], x)
+  assert has_matrix_products(lambda a: jax.lax.cond(a[0, 0] > 0, lambda a: a @ a, jnp.sin, a), x)
+  sizes, k = (8, 16, 4), 4
+  params = init_mlp(jax.random.key(0), sizes)
+  batch = make_batch(jax.random.key(1), 8 * k, sizes[0], sizes[-1])
+  for inner, barrier in ((optax.contrib.muon(1e-2), True), (optax.adam(1e-2), False)):
+    tx = ga.accumulate(inner, k)
+    step = ga.train_step(xent_loss, tx, donate=True)
+    lowered = step.lower(params, tx.init(params), batch).as_text()  # before XLA removes it
+    assert ("optimization_barrier" in lowered) == barrier, inner
+    new_params, _, _ = step(jax.tree.map(jnp.copy, params), tx.init(params), batch)
+    g = jax.grad(xent_loss)(params, batch)
+    updates, _ = inner.update(g, inner.init(params), params)
+    assert_trees_close(new_params, optax.apply_updates(params, updates), rtol=1e-5, atol=1e-6)
