@@ -214,6 +214,30 @@ class Closed(NamedTuple):
   noise: tuple[jax.Array, jax.Array] | tuple[()]  # this window's |G|^2 and tr(Sigma) estimates
 
 
+def _mean(acc_grads: Updates, weight: jax.Array, scale: Any, grad_like: Updates) -> Updates:
+  """The window's mean gradient, typed as ``grad_like``; called at each use, so that XLA fuses
+  it into each (:func:`_inner_update` says where it is made once)."""
+  mean = mean_of(acc_grads, weight, scale)
+  return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
+
+
+def _inner_update(inner, mean_fn, mode, params, inner_state, extra_args) -> Callable[..., Any]:
+  """``(params, inner_state) -> (updates, inner_state)``: ``inner`` on the window's mean."""
+  made = None
+
+  def update(params, inner_state):
+    mean = mean_fn() if made is None else made
+    return inner_update(inner, mean, inner_state, params, extra_args)
+
+  # Closed in place ("loop"), an update with matrix products (muon's Newton-Schulz iterations)
+  # reads a mean made once, before its loop: fused into its elementwise uses instead, muon's
+  # window took 1.05-1.08x as long on XLA:CPU. An elementwise update (adam, sgd) reads it fused
+  # in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
+  if mode == "loop" and has_matrix_products(update, params, inner_state):
+    made = jax.lax.optimization_barrier(mean_fn())
+  return update
+
+
 def has_matrix_products(fn: Callable[..., Any], *args: Any) -> bool:
   """Whether ``fn(*args)`` computes a ``dot_general``, at any depth of its program (traced for
   its shapes, not run)."""
@@ -294,10 +318,8 @@ class Accumulator:
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
-    def mean_fn():  # a function, so that XLA fuses the mean into each of its uses
-      mean = mean_of(acc_grads, jnp.where(nonempty, acc_weight, 0.0), scale)
-      return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
-
+    weight = jnp.where(nonempty, acc_weight, 0.0)
+    mean_fn = functools.partial(_mean, acc_grads, weight, scale, grad_like)  # at each use
     # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
     ok, loss_scale = nonempty, state.loss_scale
@@ -306,19 +328,7 @@ class Accumulator:
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
 
-    made = None
-
-    def inner(params, inner_state):
-      mean = mean_fn() if made is None else made
-      return inner_update(self.inner, mean, inner_state, params, extra_args)
-
-    # Closed in place ("loop"), an update with matrix products (muon's Newton-Schulz iterations)
-    # reads a mean made once, before its loop: fused into its elementwise uses instead, muon's
-    # window took 1.05-1.08x as long on XLA:CPU. An elementwise update (adam, sgd) reads it fused
-    # in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
-    if mode == "loop" and has_matrix_products(inner, params, state.inner_state):
-      made = jax.lax.optimization_barrier(mean_fn())
-
+    inner = _inner_update(self.inner, mean_fn, mode, params, state.inner_state, extra_args)
     updates, inner_state, cleared = _CLOSERS[mode](ok, inner, acc_grads, params, state.inner_state)
     noise, estimates = after_window(
       state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale
