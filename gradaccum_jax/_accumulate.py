@@ -231,7 +231,7 @@ def _inner_update(inner, mean_fn, mode, params, inner_state, extra_args) -> Call
 
   # Closed in place ("loop"), an update with matrix products (muon's Newton-Schulz iterations)
   # reads a mean made once, before its loop: fused into its elementwise uses instead, muon's
-  # window took 1.05-1.08x as long on XLA:CPU. An elementwise update (adam, sgd) reads it fused
+  # window took 1.04-1.14x as long on XLA:CPU. An elementwise update (adam, sgd) reads it fused
   # in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
   if mode == "loop" and has_matrix_products(update, params, inner_state):
     made = jax.lax.optimization_barrier(mean_fn())
