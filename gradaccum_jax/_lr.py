@@ -9,7 +9,7 @@ from typing import Any
 
 import optax
 
-from gradaccum_jax._checks import check_int, check_positive_int
+from gradaccum_jax._checks import check_choice, check_int, check_positive_int
 
 _RULES = {"linear": lambda kappa: kappa, "sqrt": math.sqrt, "none": lambda kappa: 1.0}
 _WARMUP_FROM = {"base": 1.0, "zero": 0.0}  # the multiplier the warmup starts from
@@ -86,52 +86,93 @@ def scale_learning_rate(
   return lambda count: ramp(count) * schedule(count)
 
 
-def scale_adam_hyperparams(
-  b1: float, b2: float, eps: float, base_batch_size: int, batch_size: int
-) -> tuple[float, float, float]:
-  r"""Adam's ``b1``, ``b2`` and ``eps`` under the square-root scaling rule (Malladi et al.).
+_ADAM_RULES = ("sqrt", "half_life")
 
-  :math:`1 - \beta_i \to \kappa (1 - \beta_i)` and :math:`\epsilon \to \epsilon / \sqrt{\kappa}`
-  with :math:`\kappa` = ``batch_size / base_batch_size``, for ``kappa * (1 - beta_i) < 1``; the
-  learning rate goes with ``rule="sqrt"`` (source, derivation, limits: docs/choosing_k.md).
+
+def _sqrt_rule_beta(name: str, beta: float, kappa: float, base: int, batch: int) -> float:
+  """``1 - kappa * (1 - beta)``, or a ValueError naming ``name`` when it falls below 0."""
+  new = 1.0 - kappa * (1.0 - beta)
+  if abs(new) < 1e-12:  # rounding: 1 - 10 * (1 - 0.9) is 2.2e-16, not 0
+    return 0.0
+  if new > 0:
+    return new
+  limit = f"{base / (1.0 - beta):.6g}"
+  if beta == 0:
+    limit += f" ({name}=0 averages over one step already: no batch above {base} is in range)"
+  raise ValueError(
+    f"scale_adam_hyperparams: {name}={beta!r} is out of the square-root rule's range at kappa ="
+    f" batch_size / base_batch_size = {batch}/{base} = {kappa:.6g}: the rule needs kappa * (1 -"
+    f" {name}) <= 1 (here {kappa * (1.0 - beta):.6g}, which would make {name} = {new:.6g}),"
+    f" i.e. batch_size <= base_batch_size / (1 - {name}) = {limit}. Use a batch_size within"
+    f" that limit, {name} >= {1.0 - 1.0 / kappa:.6g}, rule='half_life' (it keeps b1 and holds"
+    f" b2's half-life fixed, for any kappa), or keep {name} unscaled."
+  )
+
+
+def scale_adam_hyperparams(
+  b1: float,
+  b2: float,
+  eps: float,
+  base_batch_size: int,
+  batch_size: int,
+  *,
+  rule: str = "sqrt",
+) -> tuple[float, float, float]:
+  r"""Adam's ``b1``, ``b2`` and ``eps`` tuned at ``base_batch_size``, for ``batch_size``.
+
+  With :math:`\kappa` = ``batch_size / base_batch_size`` (the inputs unchanged for
+  :math:`\kappa = 1`):
+
+  - ``rule="sqrt"`` (Malladi et al.): :math:`1 - \beta_i \to \kappa (1 - \beta_i)` for both
+    betas and :math:`\epsilon \to \epsilon / \sqrt{\kappa}`; needs :math:`\kappa (1 - \beta_i)
+    \le 1`. The learning rate goes with ``scale_learning_rate(..., rule="sqrt")``.
+  - ``rule="half_life"`` (Marek et al.): :math:`\beta_2 \to \beta_2^{\kappa}`, which keeps
+    ``b2``'s half-life fixed in examples (tokens), for every :math:`\kappa`; ``b1`` and ``eps``
+    are returned unchanged. To first order in :math:`1 - \beta_2` it is the ``"sqrt"`` rule's
+    ``b2``: :math:`\beta_2^{\kappa} = 1 - \kappa (1 - \beta_2) + O((1 - \beta_2)^2)`.
+
+  Sources, derivations and limits: docs/choosing_k.md.
 
   Args:
     b1, b2: Adam's first- and second-moment decays, in ``[0, 1)``.
     eps: Adam's epsilon, ``>= 0``.
     base_batch_size: the batch size they were tuned for.
     batch_size: the effective batch size to train with (``k * b``).
+    rule: ``"sqrt"`` (the default) or ``"half_life"``.
 
   Returns:
     The tuple ``(b1, b2, eps)`` for ``batch_size``.
 
   Raises:
-    ValueError: a scaled beta ``<= 0`` (the batch too large), a beta outside ``[0, 1)``,
-      ``eps < 0``, or a batch size ``<= 0``.
+    ValueError: with ``rule="sqrt"``, a beta with ``kappa * (1 - beta) > 1``; a beta outside
+      ``[0, 1)``, ``eps < 0``, a batch size ``<= 0`` or an unknown ``rule``.
     TypeError: a batch size that is not an int.
 
   Examples:
     >>> import gradaccum_jax as ga
     >>> [round(x, 12) for x in ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 1024)]
     [0.6, 0.996, 5e-09]
+    >>> b1, b2, eps = ga.scale_adam_hyperparams(0.9, 0.95, 1e-8, 256, 512, rule="half_life")
+    >>> b1, round(b2, 12), eps  # b2 = 0.95 ** 2
+    (0.9, 0.9025, 1e-08)
 
   References:
-    Malladi et al. 2022, https://arxiv.org/abs/2205.10287.
+    Malladi et al. 2022, https://arxiv.org/abs/2205.10287; Marek et al. 2025,
+    https://arxiv.org/abs/2507.07101.
   """
   kappa = _kappa(base_batch_size, batch_size)
+  check_choice(rule, "rule", _ADAM_RULES, "scale_adam_hyperparams")
   if not eps >= 0:
     raise ValueError(f"eps={eps!r} must be >= 0.")
-  scaled = []
   for name, beta in (("b1", b1), ("b2", b2)):
     if not 0 <= beta < 1:
       raise ValueError(f"{name}={beta!r} must be in [0, 1).")
-    new = 1.0 - kappa * (1.0 - beta)
-    new = 0.0 if abs(new) < 1e-12 else new  # rounding: 1 - 10 * (1 - 0.9) is 2e-16, not 0
-    if new <= 0:
-      raise ValueError(
-        f"The square-root rule gives {name} = 1 - kappa * (1 - {name}) = {new:.6g} <= 0 for"
-        f" kappa = batch_size / base_batch_size = {batch_size}/{base_batch_size} = {kappa:.6g}"
-        f" and {name}={beta!r}: the batch is too large for the rule. Use batch_size <"
-        f" {base_batch_size / (1.0 - beta):.6g}, or keep {name} unscaled."
-      )
-    scaled.append(new)
+  if kappa == 1:
+    return b1, b2, eps
+  if rule == "half_life":
+    return b1, b2**kappa, eps
+  base, batch = operator.index(base_batch_size), operator.index(batch_size)
+  scaled = [
+    _sqrt_rule_beta(name, beta, kappa, base, batch) for name, beta in (("b1", b1), ("b2", b2))
+  ]
   return scaled[0], scaled[1], eps / math.sqrt(kappa)

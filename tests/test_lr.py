@@ -99,19 +99,92 @@ def test_scale_adam_hyperparams_by_hand():
   assert b1 == pytest.approx(0.95)
   assert b2 == pytest.approx(0.995)
   assert eps == pytest.approx(1e-6 * math.sqrt(2))
-  # kappa = 1: unchanged.
-  assert ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 7, 7) == pytest.approx((0.9, 0.999, 1e-8))
 
 
-def test_scale_adam_hyperparams_kappa_too_large():
-  with pytest.raises(ValueError, match=r"b1 = 1 - kappa.*kappa = .*= 10 .*batch_size < 256"):
-    ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 2560)  # b1 -> 1 - 10 * 0.1 = 0
-  with pytest.raises(ValueError, match=r"b1 = 1 - kappa.* = -0.1 <= 0"):
-    ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 2816)  # kappa = 11
-  with pytest.raises(ValueError, match=r"b2 = 1 - kappa"):
+@pytest.mark.parametrize("rule", ["sqrt", "half_life"])
+@pytest.mark.parametrize(
+  "hyperparams",
+  [(0.9, 0.999, 1e-8), (0.0, 0.999, 1e-8), (0.9, 0.0, 0.0), (0.0, 0.0, 1e-8), (0.7, 0.3, 0.1)],
+)
+def test_scale_adam_hyperparams_kappa_one_returns_the_inputs(rule, hyperparams):
+  """kappa = 1 is no change, exactly, b = 0 included (it used to raise "batch too large")."""
+  for base in (1, 7, 256):
+    out = ga.scale_adam_hyperparams(*hyperparams, base, base, rule=rule)
+    assert out == hyperparams
+    assert all(o is h for o, h in zip(out, hyperparams, strict=True))
+
+
+def test_scale_adam_hyperparams_sqrt_rule_at_its_limit():
+  # kappa = 10, b1 = 0.9: 1 - b1 -> 10 * 0.1 = 1, so b1 = 0 (no momentum), inside the range.
+  b1, b2, eps = ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 2560)
+  assert b1 == pytest.approx(0.0, abs=1e-12)
+  assert b2 == pytest.approx(1 - 10 * 0.001)
+  assert eps == pytest.approx(1e-8 / math.sqrt(10))
+
+
+def test_scale_adam_hyperparams_sqrt_rule_out_of_range():
+  # kappa = 11: kappa * (1 - b1) = 1.1 > 1; the limit is 256 / 0.1 = 2560; b1 >= 1 - 1/11.
+  with pytest.raises(ValueError, match=r"scale_adam_hyperparams: b1=0.9 is out of") as info:
+    ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 2816)
+  message = str(info.value)
+  for part in (
+    "kappa = batch_size / base_batch_size = 2816/256 = 11:",
+    "kappa * (1 - b1) <= 1 (here 1.1, which would make b1 = -0.1)",
+    "batch_size <= base_batch_size / (1 - b1) = 2560.",
+    f"b1 >= {1 - 1 / 11:.6g}",
+    "rule='half_life'",
+  ):
+    assert part in message, (part, message)
+  # b1 = 0 (no momentum): no batch above the base one is in the rule's range.
+  with pytest.raises(ValueError, match=r"b1=0.0 is out of .* = 512/256 = 2:.*no batch above 256"):
+    ga.scale_adam_hyperparams(0.0, 0.999, 1e-8, 256, 512)
+  with pytest.raises(ValueError, match=r"b2=0.5 is out of .*here 1.5, which would make b2 = -0.5"):
     ga.scale_adam_hyperparams(0.9, 0.5, 1e-8, 1, 3)  # b1 -> 0.7 is fine, b2 -> -0.5 is not
-  with pytest.raises(ValueError, match=r"b2 = 1 - kappa.*b2=0.99"):
+  with pytest.raises(ValueError, match=r"b2=0.99 is out of .*base_batch_size / \(1 - b2\) = 100"):
     ga.scale_adam_hyperparams(0.999, 0.99, 1e-8, 1, 200)
+
+
+HALF_LIFE_SIZES = [(256, 32), (64, 32), (100, 99), (100, 101), (256, 768), (256, 2816), (2, 2000)]
+
+
+@pytest.mark.parametrize(("base", "size"), HALF_LIFE_SIZES)
+@pytest.mark.parametrize("b2", [0.95, 0.98, 0.999, 0.5])
+def test_scale_adam_hyperparams_half_life_closed_form(base, size, b2):
+  """b2 -> b2 ** kappa (as exp(kappa log b2)); b1 and eps unchanged; b2's half-life, counted in
+  examples (base * ln(1/2) / ln(b2)), is the same before and after."""
+  kappa = size / base
+  b1, new_b2, eps = ga.scale_adam_hyperparams(0.9, b2, 1e-8, base, size, rule="half_life")
+  assert (b1, eps) == (0.9, 1e-8)
+  assert new_b2 == pytest.approx(math.exp(kappa * math.log(b2)), rel=1e-13)
+  half_life = base * math.log(0.5) / math.log(b2)
+  assert size * math.log(0.5) / math.log(new_b2) == pytest.approx(half_life, rel=1e-12)
+
+
+@pytest.mark.parametrize(("base", "size"), [(256, 2816), (2, 2000), (1, 10**6)])
+def test_scale_adam_hyperparams_half_life_where_sqrt_rule_has_no_answer(base, size):
+  """kappa = 11, 1000, 10**6: the square-root rule raises for b1 = 0.9; half_life does not."""
+  with pytest.raises(ValueError, match=r"b1=0.9 is out of the square-root rule's range"):
+    ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, base, size)
+  b1, b2, eps = ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, base, size, rule="half_life")
+  assert (b1, eps) == (0.9, 1e-8)
+  assert b2 == pytest.approx(math.exp(size / base * math.log(0.999)), rel=1e-12)
+  assert 0 <= b2 < 1
+  assert ga.scale_adam_hyperparams(0.0, 0.0, 0.0, 1, 10**6, rule="half_life") == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("base", "size"), [(1000, 900), (1000, 990), (1000, 1010), (100, 110)])
+@pytest.mark.parametrize("delta", [1e-2, 1e-3, 1e-4])
+def test_scale_adam_hyperparams_half_life_agrees_with_sqrt_rule_to_first_order(base, size, delta):
+  """With d = 1 - b2: (1 - d) ** kappa = 1 - kappa d + kappa (kappa - 1) d**2 / 2 + O(d**3),
+  and the square-root rule's b2 is 1 - kappa d: the two differ by the d**2 term."""
+  kappa, b2 = size / base, 1 - delta
+  _, half_life, _ = ga.scale_adam_hyperparams(0.0, b2, 1e-8, base, size, rule="half_life")
+  _, sqrt_rule, _ = ga.scale_adam_hyperparams(0.9, b2, 1e-8, base, size)
+  d = 1 - b2  # delta as the float b2 holds it
+  assert sqrt_rule == pytest.approx(1 - kappa * d, rel=1e-14)
+  second_order = kappa * (kappa - 1) * d**2 / 2
+  assert half_life - sqrt_rule == pytest.approx(second_order, rel=delta + 1e-5)
+  assert abs(half_life - sqrt_rule) < abs(sqrt_rule - b2) * delta  # the first-order change agrees
 
 
 @pytest.mark.parametrize(
@@ -122,6 +195,9 @@ def test_scale_adam_hyperparams_kappa_too_large():
     ({"eps": -1.0}, ValueError, r"eps=-1.0 must be >= 0"),
     ({"base_batch_size": 0}, ValueError, r"base_batch_size=0 must be a positive int"),
     ({"batch_size": 2.0}, TypeError, r"batch_size=2.0 must be a positive int"),
+    ({"rule": "linear"}, ValueError, r"rule='linear' must be one of 'sqrt', 'half_life'"),
+    ({"rule": "half_life", "b2": 1.0}, ValueError, r"b2=1.0 must be in \[0, 1\)"),
+    ({"rule": "half_life", "eps": -1e-8}, ValueError, r"eps=-1e-08 must be >= 0"),
   ],
 )
 def test_scale_adam_hyperparams_errors(kwargs, error, pattern):
