@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 
 from gradaccum_jax._checks import check_int
-from gradaccum_jax._microbatch import IN_PLACE_SCOPE
+from gradaccum_jax._microbatch import CARRIED_BECAUSE, CARRIED_SCOPE, IN_PLACE_SCOPE
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -26,6 +26,7 @@ _CALLED = re.compile(
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start|-done)?\(")
 _WHILE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\swhile\(")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CARRIED = re.compile(CARRIED_SCOPE + r"(\w+)")
 _ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype, dims)
 
 
@@ -120,6 +121,8 @@ class StepReport:
       ``compiled.memory_analysis()`` per device (None if the backend has none).
     grads_in_place: whether the backward pass adds the gradients into the accumulator in place
       (``grads_in_place``; docs/models.md, "Stacked layers").
+    carried_because: for a ``ga`` step whose gradients are carried, why (the JAX version, an
+      option or unit that needs each micro-batch's gradient, a dtype); else None.
   """
 
   collectives: tuple[Collective, ...]
@@ -129,6 +132,7 @@ class StepReport:
   output_bytes: int | None
   alias_bytes: int | None
   grads_in_place: bool = False
+  carried_because: str | None = None
 
   @classmethod
   def from_compiled(cls, compiled: Any) -> StepReport:
@@ -148,7 +152,9 @@ class StepReport:
     mem = compiled.memory_analysis()
     parts = ("temp", "argument", "output", "alias")
     sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
-    return cls(tuple(found), tuple(whiles), *sizes, IN_PLACE_SCOPE in text)
+    in_place = IN_PLACE_SCOPE in text
+    why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
+    return cls(tuple(found), tuple(whiles), *sizes, in_place, why)
 
   def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -212,6 +218,7 @@ class StepReport:
       f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''}, peak"
       f" {self.peak_bytes} bytes per device ({self._parts()}), gradients"
       f" {'added in place' if self.grads_in_place else 'carried'}"
+      f"{f' ({self.carried_because})' if self.carried_because else ''}"
     )
     counts = (self.in_loop, self.in_loop_bytes, self.after_loop, self.after_loop_bytes)
     kinds = [kind for kind in KINDS if kind in counts[0] or kind in counts[2]]

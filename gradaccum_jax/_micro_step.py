@@ -208,12 +208,12 @@ class MicroStep:
     # Donated, without a mesh, where it can, the backward pass adds into the state's accumulator
     # in its buffer (undonated that buffer is copied first: 0.37 A more than the carried path on
     # the LM of tests/test_memory.py); otherwise the micro-batch's sums start from zeros.
-    in_place = self._in_place and not axes
-    like["in_place"] = in_place and self._mg.adds_in_place(params, own[0].grads)
+    loss = jax.eval_shape(lambda: self._opts.objective(params, model_state, mb, rng, scale)[1][0])
+    why = self._mg.carried_because(params, own[0].grads, None, loss)
+    why = "streaming" if why is None and not (self._in_place and not axes) else why
+    like["in_place"] = why is None
     acc = own[0].grads if like["in_place"] else jax.tree.map(jnp.zeros_like, own[0].grads)
-    w = self._mg.local_sums(
-      params, mb, rng, acc, model_state, scale, None, axes, in_place=like["in_place"]
-    )
+    w = self._mg.local_sums(params, mb, rng, acc, model_state, scale, None, axes, carried=why)
     like["like"] = (w.loss_like, w.aux_like)
     # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
     devices = self._slots.devices

@@ -103,6 +103,42 @@ class Window(NamedTuple):
     return window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
 
 
+def window_weight(weighting: Any, batch: Any, k: int, num: Any) -> jax.Array:
+  """The total weight of the first ``num`` of ``batch``'s ``k`` micro-batches, known before the
+  loop: ``weight_fn`` alone on each micro-batch (no forward pass)."""
+  i = jnp.arange(k)
+  ws = jax.vmap(lambda j: weighting.total(weighting.of(microbatch(batch, j, k))))(i)
+  return jnp.sum(jnp.where(i < num, ws, 0.0))
+
+
+def seed_unit(total: jax.Array, devices: int) -> jax.Array:
+  """The power of two at or just above the whole batch's total weight (``total`` on one of
+  ``devices``): an in-place backward pass is seeded with ``w_i / unit``, so its cotangents are
+  at the whole batch's scale (a seed of ``w_i`` overflows 16-bit compute for token counts), and
+  ``unit * sum_i (w_i / unit) g_i`` is ``sum_i w_i g_i`` with nothing rounded by the scaling
+  (a power of two). 1 for a total that is not finite and positive (a void window)."""
+  total = total * devices
+  _, exponent = jnp.frexp(total)  # total = m 2^exponent, 0.5 <= m < 1
+  ok = jnp.isfinite(total) & (total > 0)
+  return jnp.where(ok, jnp.ldexp(jnp.ones((), jnp.float32), exponent), 1.0)
+
+
+# Why a step carries each micro-batch's gradient instead of adding it in place: the key is in the
+# name of a scope around the carried backward pass, so ga.inspect_step reads it from the program.
+CARRIED_SCOPE = "ga_grads_carried__"
+CARRIED_BECAUSE = {
+  "option": "grads_in_place=False",
+  "jax": "this JAX has no gradient Refs: jax >= 0.11 adds in place",
+  "noise": "the noise scale needs each micro-batch's gradient",
+  "per_microbatch": "gather_params='per_microbatch' reduce-scatters each micro-batch's gradient",
+  "fp8": "fp8 scales each micro-batch's gradient back",
+  "dtype": "an accumulator leaf's dtype differs from its param's (float32 sums of 16-bit params)",
+  "running_mean": "a 16-bit accumulator keeps a running mean",
+  "narrow_loss": "a weighted loss narrower than float32 would round each weight in its seed",
+  "streaming": "micro_step adds in place only when donated and without a mesh",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8:
   """Flax's fp8 collection ``key`` under accumulation (docs/usage.md, "FP8"): each micro-batch's
@@ -118,9 +154,7 @@ class Fp8:
     """The window's total weight, known before the loop (the real micro-batches' weights)."""
     if not weighting.weighted:
       return cls(key, jnp.asarray(num, jnp.float32) * (jax.lax.psum(1, vary) if vary else 1))
-    i = jnp.arange(k)
-    ws = jax.vmap(lambda j: weighting.total(weighting.of(microbatch(batch, j, k))))(i)
-    total = jnp.sum(jnp.where(i < num, ws, 0.0))
+    total = window_weight(weighting, batch, k, num)
     return cls(key, jax.lax.psum(total, vary) if vary else total)
 
   def seed(self, w: jax.Array, scale: jax.Array | None) -> jax.Array:
@@ -147,6 +181,11 @@ class Fp8:
     (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
     sums = w.sums._replace(grads=w.sums.grads["params"], aux=aux)
     return w._replace(sums=sums, aux_like=aux_like, reducers=reducers, overwrite=new)
+
+
+def _scaled(x: jax.Array, factor: jax.Array | None) -> jax.Array:
+  """``x * factor`` in ``x``'s dtype; ``x`` itself for no factor (an unweighted window)."""
+  return x if factor is None else x * factor.astype(x.dtype)
 
 
 def _add_into(objective, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
@@ -179,19 +218,31 @@ class MicrobatchedGrad:
   noise_sums: bool = False  # also sum w_i |g_i|^2 for the noise scale (Window.noise)
   overwrite: str | None = None  # fp8 (Flax variables in params): the collection overwritten
 
-  def adds_in_place(self, params: Any, acc_init: Any, per_micro: Any = None) -> bool:
-    """Whether the backward pass adds each gradient into the accumulator in place
-    (``jax.vjp(...).with_refs``, docs/models.md, "Stacked layers"): where ``grads_in_place``
-    allows it, JAX has it (0.11 or later), no unit needs a micro-batch's own gradient (the noise
-    scale, a per-micro-batch reduce-scatter) and each accumulator leaf has its param's dtype."""
-    if not (self.options.grads_in_place and refs_available()):
-      return False
+  def carried_because(self, params: Any, acc_init: Any, per_micro: Any, loss: Any) -> str | None:
+    """None if the backward pass adds each gradient into the accumulator in place
+    (``jax.vjp(...).with_refs``, docs/models.md, "Stacked layers"), else why not (a key of
+    ``CARRIED_BECAUSE``): ``grads_in_place`` allows it, JAX has it (0.11 or later), no unit needs
+    a micro-batch's own gradient, each accumulator leaf has its param's dtype and, weighted, the
+    loss value (``loss``, abstract) is float32 or wider (a narrower one rounds the seed)."""
+    if not self.options.grads_in_place:
+      return "option"
+    if not refs_available():
+      return "jax"
+    for why, needs in (
+      ("noise", self.noise_sums),
+      ("per_microbatch", per_micro is not None),
+      ("fp8", self.overwrite is not None),
+      ("running_mean", keeps_running_means(acc_init)),  # a narrow float keeps a mean, not a sum
+    ):
+      if needs:
+        return why
     # A Ref takes the cotangent's dtype and sharding type: each param's.
     types = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(params)]
-    acc = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(acc_init)]
-    running = keeps_running_means(acc_init)  # a narrow float keeps a mean, not a sum
-    plain = not self.noise_sums and per_micro is None and self.overwrite is None
-    return plain and types == acc and not running
+    if types != [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(acc_init)]:
+      return "dtype"
+    if self.options.weighting.weighted and jnp.finfo(loss.dtype).bits < 32:
+      return "narrow_loss"
+    return None
 
   def sums(
     self, params, batch, rng, acc_init, model_state=None, scale=None, num_real=None, in_buffer=False
@@ -234,10 +285,10 @@ class MicrobatchedGrad:
 
   def local_sums(
     self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None,
-    in_place=True,
+    carried=None,
   ):  # fmt: skip
     """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes), the
-    gradients added in place where ``in_place`` and :meth:`adds_in_place` allow it; with
+    gradients added in place unless ``carried`` or :meth:`carried_because` says why not; with
     ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
     micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
     k, opts, ow = self.num_microbatches, self.options, self.overwrite
@@ -261,17 +312,19 @@ class MicrobatchedGrad:
       p = params if per_micro is None else per_micro.gather(params, i)
       w = opts.weighting.of(mb)
       if refs is not None:  # added in place: the units see no gradient
-        seed = w if opts.weighting.weighted else None
+        seed = None if norm is None else w / norm
         loss, aux, new_state = _add_into(
           self.options.objective, refs, p, start, mb, key, scale, seed
         )
         return Micro(loss, aux, (), w, new_state)
       seed = scale if fp8 is None else fp8.seed(w, scale)
-      (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
+      with jax.named_scope(CARRIED_SCOPE + (why or "")):  # ga.inspect_step reads why
+        (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
       if fp8 is not None:
         grads, aux = fp8.split(grads, aux, w)
       return Micro(loss, aux, grads, w, new_state)
 
+    why = None
     like = jax.eval_shape(one, 0, model_state)
 
     def body(c: Carry, i) -> tuple[Carry, None]:
@@ -281,16 +334,22 @@ class MicrobatchedGrad:
     init = Carry(*(unit.init(acc_init, like) for unit in units))
     if vary:
       init = to_varying(init, vary)
-    refs = None
-    if in_place and self.adds_in_place(params, acc_init, per_micro):  # the gradients in Refs
-      refs = jax.tree.map(jax.new_ref, init.sums.grads)
+    refs = norm = None
+    why = carried or self.carried_because(params, acc_init, per_micro, like.loss)
+    if why is None:  # the gradients added into Refs, weighted: seeded at the whole batch's scale
+      if opts.weighting.weighted:
+        devices = jax.lax.psum(1, vary) if vary else 1
+        norm = seed_unit(window_weight(opts.weighting, batch, k, num), devices)
+      inverse = None if norm is None else 1 / norm
+      refs = jax.tree.map(lambda a: jax.new_ref(_scaled(a, inverse)), init.sums.grads)
       init = init._replace(sums=init.sums._replace(grads=()))
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
     if refs is not None:
-      c = c._replace(sums=c.sums._replace(grads=jax.tree.map(jax.freeze, refs)))
+      grads = jax.tree.map(lambda r: _scaled(jax.freeze(r), norm), refs)
+      c = c._replace(sums=c.sums._replace(grads=grads))
     sums, noise, state = (
       unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True)
     )
