@@ -112,8 +112,8 @@ def window_weight(weighting: Any, batch: Any, k: int, num: Any) -> jax.Array:
 
 
 def seed_unit(total: jax.Array, devices: int) -> jax.Array:
-  """The power of two at or just above the whole batch's total weight (``total`` on one of
-  ``devices``): an in-place backward pass is seeded with ``w_i / unit``, so its cotangents are
+  """The smallest power of two above the whole batch's total weight W (``total`` on one of
+  ``devices``; W < unit <= 2 W): an in-place backward pass is seeded with ``w_i / unit``, so its cotangents are
   at the whole batch's scale (a seed of ``w_i`` overflows 16-bit compute for token counts), and
   ``unit * sum_i (w_i / unit) g_i`` is ``sum_i w_i g_i`` with nothing rounded by the scaling
   (a power of two). 1 for a total that is not finite and positive (a void window)."""

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from gradaccum_jax._microbatch import refs_available
+from gradaccum_jax._microbatch import CARRIED_BECAUSE, refs_available, seed_unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import stacked_memory  # noqa: E402
@@ -204,6 +204,143 @@ def test_where_it_falls_back_and_the_report_says_so():
   line = repr(ga.inspect_step(ga.train_step(_loss, ga.accumulate(adam, K), has_aux=True),
                               params, ga.accumulate(adam, K).init(params), _stack(jax.random.key(0))[1]))  # fmt: skip
   assert ("gradients added in place" if REFS else "gradients carried") in line
+
+
+def _report_of(params, tx, **kw):
+  batch = _stack(jax.random.key(0))[1]
+  step = ga.train_step(_loss, tx, has_aux=True, **kw)
+  return ga.inspect_step(step, params, tx.init(params), batch)
+
+
+def test_the_report_says_why_a_step_carries():
+  """``StepReport.carried_because`` names the cause in every case the step falls back (None in
+  place), and the report's line prints it."""
+  params = _stack(jax.random.key(0))[0]
+  adam = optax.adam(1e-3)
+  no_refs = CARRIED_BECAUSE["jax"] if not REFS else None
+  cases = [
+    (params, ga.accumulate(adam, K), {}, None),
+    (params, ga.accumulate(adam, K), {"grads_in_place": False}, CARRIED_BECAUSE["option"]),
+    (params, ga.accumulate(adam, K, noise_scale_ema=0.9), {}, no_refs or CARRIED_BECAUSE["noise"]),
+    (params, ga.accumulate(adam, K, accum_dtype=jnp.bfloat16), {}, no_refs or "running mean"),
+    (jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), ga.accumulate(adam, K), {},
+     no_refs or CARRIED_BECAUSE["dtype"]),
+    (params, ga.accumulate(adam, K), {"weight_fn": _weight}, None),
+  ]  # fmt: skip
+  for p, tx, kw, why in cases:
+    report = _report_of(p, tx, **kw)
+    if why is None:
+      assert report.grads_in_place == REFS and report.carried_because == no_refs, kw
+      continue
+    assert not report.grads_in_place and why in report.carried_because, (kw, report)
+    assert f"gradients carried ({report.carried_because})" in repr(report)
+  step = ga.micro_step(lambda p, mb: _loss(p, mb)[0], ga.accumulate(adam, K))  # undonated
+  mb = ga.microbatch(_stack(jax.random.key(0))[1], 0, K)
+  report = ga.inspect_step(step, params, ga.accumulate(adam, K).init(params), mb)
+  assert report.carried_because == (no_refs or CARRIED_BECAUSE["streaming"])
+
+
+# --- 16-bit compute x weights, in place: the cases of the whole batch's scale ----------------
+
+F16_ROWS, TOKENS = 8, 32  # rows of a micro-batch, tokens per row
+
+
+def _ones_loss(dtype):
+  """``mean((x @ w))`` computed in ``dtype`` then float32: every row's gradient is exactly x."""
+
+  def loss(w, mb):
+    return jnp.mean((mb["x"].astype(w.dtype) @ w).astype(jnp.float32))
+
+  return loss
+
+
+def _token_weight(per_row):
+  return lambda mb: jnp.float32(per_row) * mb["x"].shape[0]
+
+
+def _float16_runs(weight, loss_scale, in_place):
+  """``w`` after one window of k = 2 micro-batches of 8 rows of ones (the gradient is 1 in
+  every micro-batch), sgd(0.1), float16 compute, in every entry point that computes it;
+  ``(w, num_skipped, loss scale)`` for each."""
+  loss = _ones_loss(jnp.float16)
+  w0, batch = jnp.zeros((8, 1)), {"x": jnp.ones((2 * F16_ROWS, 8))}
+  scale = ga.DynamicLossScale() if loss_scale else None
+  tx = ga.accumulate(optax.sgd(0.1), 2, loss_scale=scale)
+  kw = {"weight_fn": weight, "grads_in_place": in_place}
+  out = {}
+  for donate in (False, True):
+    step = ga.train_step(loss, tx, compute_dtype=jnp.float16, donate=donate, **kw)
+    p, s, _ = step(jnp.copy(w0), tx.init(w0), batch)
+    out[f"train_step donate={donate}"] = (p, s)
+  micro = ga.micro_step(lambda w, mb: loss(w.astype(jnp.float16), mb), tx, donate=True, **kw)
+  p, s = jnp.copy(w0), tx.init(w0)
+  for i in range(2):
+    p, s, _ = micro(p, s, ga.microbatch(batch, i, 2))
+  out["micro_step"] = (p, s)
+  results = {
+    name: (np.asarray(p), int(s.num_skipped), None if s.loss_scale is None else float(s.loss_scale.scale))
+    for name, (p, s) in out.items()
+  }  # fmt: skip
+  if not loss_scale:  # value_and_grad takes no loss scale
+    _, g = jax.jit(ga.value_and_grad(loss, 2, compute_dtype=jnp.float16, **kw))(w0, batch)
+    results["value_and_grad"] = (np.asarray(w0 - 0.1 * g), 0, None)
+  return results
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "carried"])
+def test_float16_token_weights_under_a_loss_scale_apply_the_window(in_place):
+  """32 tokens a row: a seed of w_i = 256 times the loss scale 2^15 overflowed float16 in place
+  (w = 0, a voided window, the scale halved); seeded at the whole batch's scale it is applied as
+  the whole batch applies it: w = -0.1 (the gradient is exactly 1), nothing skipped, 2^15."""
+  for name, got in _float16_runs(_token_weight(TOKENS), True, in_place).items():
+    np.testing.assert_array_equal(got[0], np.full((8, 1), -0.1, np.float32), err_msg=name)
+    assert got[1:] == (0, 2.0**15), (name, got)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "carried"])
+def test_float16_with_70000_token_micro_batches_is_not_voided(in_place):
+  """70,000 tokens a micro-batch (32 sequences of 2,048 and more) without a loss scale: every
+  window was voided in place (grad_norm inf); now w = -0.1 in every entry point."""
+  for name, got in _float16_runs(_token_weight(70_000 / F16_ROWS), False, in_place).items():
+    np.testing.assert_allclose(got[0], np.full((8, 1), -0.1), rtol=2.0**-11, err_msg=name)
+    assert got[1] == 0, (name, got)
+
+
+@pytest.mark.parametrize("loss_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_a_weighted_loss_narrower_than_float32_is_carried_and_exact(loss_dtype):
+  """A loss value in bfloat16 (float16) would round each weight in its seed (257 -> 256 in
+  bfloat16: w = -0.0996 instead of -0.1): such a step carries, and equals the closed form
+  -0.1 (every gradient is 1) in the fused step, value_and_grad and micro_step; the report says
+  why it carries."""
+  w0, batch = jnp.zeros((8, 1)), {"x": jnp.ones((2 * F16_ROWS, 8))}
+
+  def loss(w, mb):  # the loss value in loss_dtype
+    return jnp.mean(mb["x"].astype(loss_dtype) @ w.astype(loss_dtype))
+
+  weight = {jnp.bfloat16: 257.0, jnp.float16: 2049.0}[loss_dtype]
+  kw = {"weight_fn": lambda mb: jnp.float32(weight)}
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  step = ga.train_step(loss, tx, donate=True, **kw)
+  report = ga.inspect_step(step, w0, tx.init(w0), batch)
+  assert not report.grads_in_place
+  assert report.carried_because == (CARRIED_BECAUSE["narrow_loss" if REFS else "jax"])
+  p, _, _ = step(jnp.copy(w0), tx.init(w0), batch)
+  _, g = jax.jit(ga.value_and_grad(loss, 2, **kw))(w0, batch)
+  micro = ga.micro_step(loss, tx, donate=True, **kw)
+  q, s = jnp.copy(w0), tx.init(w0)
+  for i in range(2):
+    q, s, _ = micro(q, s, ga.microbatch(batch, i, 2))
+  for name, got in (("train_step", p), ("value_and_grad", w0 - 0.1 * g), ("micro_step", q)):
+    np.testing.assert_array_equal(np.asarray(got), np.full((8, 1), -0.1, np.float32), name)
+
+
+def test_the_seed_unit_is_the_power_of_two_at_or_above_the_whole_batch_weight():
+  """Closed form: the smallest power of two above W D, 2^(floor(log2(W D)) + 1); 1 for a void
+  or non-finite total."""
+  for total, devices, unit in ((1.0, 1, 2.0), (3.0, 1, 4.0), (257.0, 1, 512.0), (70_000.0, 1,
+                                2.0**17), (5.0, 8, 64.0), (0.0, 1, 1.0), (np.nan, 1, 1.0),
+                               (np.inf, 1, 1.0)):  # fmt: skip
+    assert float(seed_unit(jnp.float32(total), devices)) == unit, (total, devices)
 
 
 def test_grads_in_place_must_be_a_bool():
