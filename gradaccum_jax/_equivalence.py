@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, AccumulateState, MicroStepState
 from gradaccum_jax._checks import check_batch, check_num_microbatches, check_real
+from gradaccum_jax._micro_step import MicroStep
 from gradaccum_jax._microbatch import microbatch, value_and_grad
 
 _MAX_FIT_COORDS = 65536
@@ -285,11 +287,21 @@ class StepCheck:
   """The result of :func:`check_step`; ``str(check)`` is a table of the leaves.
 
   Attributes:
-    ok: whether every leaf's ``max_rel`` is within ``rtol`` (and finite).
+    ok: the step's gradient within ``rtol`` where it was read, every update entry within
+      ``rtol * scale`` or within what ``inner_tx`` makes of a gradient within ``rtol``, and
+      something compared (a zero reference update with the gradient unread is not ``ok``).
     rtol: the tolerance used.
     scale: the largest entry of the reference update ``|p_ref - p|``.
     max_abs: ``{leaf path: max |p_step - p_ref|}``.
-    max_rel: ``{leaf path: max_abs / scale}``.
+    max_rel: ``{leaf path: max_abs / scale}``, the update's relative error.
+    grad_rel: ``{leaf path: largest error of the step's gradient}`` over the largest entry of
+      the whole batch's, as read from ``compared``; empty if it could not be read.
+    grad_norm_rel: ``|grad_norm / |g| - 1|`` for a step that reports ``metrics["grad_norm"]``.
+    max_rel_grad_error: the largest of ``grad_rel`` and ``grad_norm_rel``, or None.
+    compared: where the step's gradient was read from.
+    optimizer_noise: leaves whose update differs by more than ``rtol * scale`` but no more than
+      ``inner_tx`` moves for a gradient within ``rtol`` (Adam, where the gradient is about 0).
+    reason: None when ``ok``, else what differs and what to check.
   """
 
   ok: bool
@@ -297,54 +309,110 @@ class StepCheck:
   scale: float
   max_abs: dict[str, float]
   max_rel: dict[str, float]
+  grad_rel: dict[str, float] = dataclasses.field(default_factory=dict)
+  grad_norm_rel: float | None = None
+  max_rel_grad_error: float | None = None
+  compared: str = "nothing"
+  optimizer_noise: tuple[str, ...] = ()
+  reason: str | None = None
 
   def __str__(self) -> str:
-    verdict = "equivalent" if self.ok else "NOT equivalent"
-    rows = [f"One window of the step vs the single-device whole-batch update: {verdict}"
-            f" (rtol={self.rtol:g} of the largest reference update, {self.scale:.3g})"]  # fmt: skip
+    worst = max(self.max_rel.values(), default=0.0)
+    error = self.max_rel_grad_error
+    grad = "not read" if error is None else f"relative error {error:.3e}"
+    rows = [
+      "One window of the step vs the single-device whole batch:"
+      f" {'equivalent' if self.ok else 'NOT equivalent'} (rtol={self.rtol:g})",
+      _wrap(f"gradient: {grad}, from {self.compared}"),
+      f"  update:   relative error {worst:.3e} of the largest reference update, {self.scale:.3g}",
+    ]
     for leaf, rel in self.max_rel.items():
-      flag = "" if rel <= self.rtol else "  <- differs"
-      rows.append(f"  {leaf:<40} max abs {self.max_abs[leaf]:.3e}  relative {rel:.3e}{flag}")
+      grad = self.grad_rel.get(leaf)
+      flag = "  ~ optimizer noise" if leaf in self.optimizer_noise else ""
+      if not (grad is None or grad <= self.rtol) or not (rel <= self.rtol or flag):
+        flag = "  <- differs"
+      rows.append(
+        f"  {leaf:<32} gradient {'-' if grad is None else f'{grad:.3e}':>9}  update max abs"
+        f" {self.max_abs[leaf]:.3e}  relative {rel:.3e}{flag}"
+      )
+    notes = [self.reason] if self.reason else []
+    if not self.scale > 0 and self.grad_rel:
+      notes.append("The reference update is 0 (a learning rate of 0): judged by the gradient.")
+    if self.optimizer_noise:
+      notes.append(_NOISE)
+    rows += map(_wrap, notes)
     return "\n".join(rows)
+
+
+def _wrap(text: str) -> str:
+  return textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    ")
+
+
+_NOISE = (
+  "~ optimizer noise: the update differs where the gradient is within rtol of 0, by no more"
+  " than inner_tx moves for a gradient within rtol of the whole batch's (Adam moves such entries"
+  " by about its learning rate, whatever their size): judged by the gradient."
+)
+_ZERO_UPDATE = (
+  "the reference update is 0 on every entry (a learning rate of 0 at this step, as at the start"
+  " of a warm-up from 0) and the step's gradient was not read in full (compared: {}), so nothing"
+  " was checked. Check at a learning rate above 0 (the optimizer without its schedule, in the"
+  " step and as inner_tx), or with an optimizer whose state keeps the gradient's moments (adam)."
+)
+_GRADIENT_DIFFERS = (
+  "the step's gradient is not the whole batch's: a gradient reduced twice or a loss scaled (by"
+  " k, by the devices), a mean of per-micro-batch means over uneven token counts (pass"
+  " weight_fn), or each micro-batch clipped (put clipping inside ga.accumulate's inner"
+  " optimizer). ga.check_equivalence(loss_fn, params, batch, k) diagnoses the loss."
+)
+_UPDATE_DIFFERS = (
+  "the update differs by more than inner_tx makes of a gradient within rtol{}: check that"
+  " inner_tx is the optimizer the step applies (its learning rate, schedule and state)."
+)
 
 
 def check_step(
   step: Callable[..., Any], loss_fn: Callable[..., Any], inner_tx: optax.GradientTransformation,
-  params: Any, opt_state: Any, batch: Any, *, has_aux: bool = False, inner_state: Any = None,
-  rtol: float = 1e-4,
+  params: Any, opt_state: Any, batch: Any = None, *, has_aux: bool = False,
+  inner_state: Any = None, rtol: float = 1e-4,
 ) -> StepCheck:  # fmt: skip
-  """Runs one window of a built step on copies of its arguments and compares the new params with
-  the single-device whole-batch update by the same inner optimizer.
+  """Runs one window of a built step on copies of its arguments and compares its gradient and
+  new params with the single-device whole batch's, through the same inner optimizer.
 
-  The reference is ``p_ref = p + inner_tx.update(jax.grad(loss_fn)(p, batch), s, p)`` on one device.
-  Check gradient scales with SGD: Adam's first update is about ``lr * sign(g)`` (docs/verifying.md).
+  The reference is ``g = jax.grad(loss_fn)(p, batch)`` and ``p + inner_tx.update(g, s, p)``.
+  The step's gradient is read from its inner optimizer's new state (Adam's moments), from an
+  update proportional to it (SGD) and from ``metrics["grad_norm"]``; an update entry may differ
+  by what ``inner_tx`` makes of a gradient within ``rtol`` (docs/verifying.md).
 
   Args:
-    step: ``step(params, opt_state, batch)`` returning ``(new_params, ...)``: a ``ga`` step (a
-      window per call) or your own jitted step.
-    loss_fn: ``loss_fn(params, batch)``, the whole batch's mean loss (``(loss, aux)`` with
-      ``has_aux``); deterministic.
+    step: the step as you train with it: ``step(params, opt_state, batch)`` returning
+      ``(new_params, opt_state, ...)`` (``ga.train_step`` or your own), a ``ga.linen_train_step``
+      (``step(train_state, batch)``), a ``ga.nnx_train_step`` (``step(model, optimizer,
+      batch)``), or a ``ga.micro_step``, called here on the ``k`` micro-batches of ``batch``.
+    loss_fn: the whole batch's mean loss, ``loss_fn(params, batch)`` (NNX: ``loss_fn(model,
+      batch)``, the step's), ``(loss, aux)`` with ``has_aux``; deterministic.
     inner_tx: the optimizer the step applies (the one inside ``ga.accumulate``).
-    params, opt_state, batch: the step's arguments (not modified nor donated).
+    params, opt_state, batch: the step's arguments, copied: ``(params, opt_state, batch)``,
+      ``(train_state, batch)`` or ``(model, optimizer, batch)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    inner_state: the reference's optimizer state; default: ``opt_state.inner_state`` of a ``ga``
-      state, else ``inner_tx.init(params)``.
+    inner_state: the reference's optimizer state; default: the step's where it is ``inner_tx``'s
+      (``opt_state.inner_state`` of a ``ga`` state), else ``inner_tx.init(params)``.
     rtol: the tolerance of ``ok``.
 
   Returns:
-    A :class:`StepCheck`; print it for the leaves.
+    A :class:`StepCheck`; print it for the gradient and the leaves.
 
   Raises:
-    TypeError, ValueError: for a bad argument, or new params unlike ``params``.
+    TypeError, ValueError: for a bad argument, a state inside a window, or new params unlike
+      ``params``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, gradaccum_jax as ga
     >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
     >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.ones(8)}
-    >>> tx, w = ga.accumulate(optax.sgd(0.1), 4), jnp.zeros(3)
-    >>> step = ga.train_step(loss, tx)
-    >>> result = ga.check_step(step, loss, optax.sgd(0.1), w, tx.init(w), batch)
-    >>> isinstance(result, ga.StepCheck), result.ok
+    >>> tx, w = ga.accumulate(optax.adam(0.1), 4), jnp.zeros(3)
+    >>> result = ga.check_step(ga.train_step(loss, tx), loss, optax.adam(0.1), w, tx.init(w), batch)
+    >>> result.ok, result.max_rel_grad_error < 1e-5
     (True, True)
   """
   for name, fn in (("step", step), ("loss_fn", loss_fn)):
@@ -359,35 +427,311 @@ def check_step(
     raise TypeError(f"inner_tx must be an optax transformation (e.g. optax.sgd), got {inner_tx!r}.")
   if not check_real(rtol, "rtol must be a positive float") > 0:
     raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
-  if inner_state is None and isinstance(opt_state, AccumulateState | MicroStepState):
-    inner_state = opt_state.inner_state
-  # Host copies first: the step may donate its arguments.
-  host = jax.tree.map(np.asarray, (params, batch, inner_state))
-  out = step(
-    *jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, (params, opt_state, batch))
-  )
-  new = jax.tree.map(np.asarray, out[0] if isinstance(out, tuple | list) else out)
-  p0, b, s0 = jax.device_put(host, jax.devices()[0])  # the single-device whole batch
+  window = _run_window(step, loss_fn, params, opt_state, batch)
+  if inner_state is None:
+    inner_state = _reference_state(window.state, inner_tx, window.params)
+  ref = _whole_batch(window, inner_tx, has_aux, inner_state, float(rtol))
+  if jax.tree.structure(window.new_params) != jax.tree.structure(ref.params):
+    raise ValueError(
+      f"The step's new params have the structure {jax.tree.structure(window.new_params)}, the"
+      f" params {jax.tree.structure(ref.params)}: step must return (new_params, ...)."
+    )
+  return _judge(window, ref, float(rtol))
+
+
+class _Window(NamedTuple):
+  """One window of a step, on host copies: what :func:`check_step` compares."""
+
+  params: Any  # the trained params before it
+  batch: Any
+  loss_fn: Callable[..., Any]  # loss_fn(params, batch), on these params
+  new_params: Any
+  state: Any  # the step's optimizer state before it
+  new_state: Any  # and after, or None
+  metrics: Any  # the step's metrics dict, or None
+
+
+_HOW = (
+  "check_step calls the step as you pass its arguments: check_step(step, loss_fn, inner_tx,"
+  " params, opt_state, batch) for ga.train_step or your own step(params, opt_state, batch),"
+  " (..., train_state, batch) for ga.linen_train_step, (..., model, optimizer, batch) for"
+  " ga.nnx_train_step."
+)
+
+
+def _run_window(step, loss_fn, params, opt_state, batch) -> _Window:
+  """Runs one window of ``step`` on copies of its arguments, by the kind of step."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(params, nnx.Module):
+    return _run_nnx(nnx, step, loss_fn, params, opt_state, batch)
+  train_state = sys.modules.get("flax.training.train_state")
+  if train_state is not None and isinstance(params, train_state.TrainState):
+    if batch is not None and opt_state is not None:
+      raise TypeError(f"A TrainState's step takes (train_state, batch): {_HOW}")
+    batch = opt_state if batch is None else batch
+    _refuse_open_window(params.opt_state)
+    host = _host((params.params, params.opt_state, batch))
+    out = _call(step, params, batch)
+    new, metrics = out if isinstance(out, tuple | list) else (out, None)
+    new_params, new_state = _host((new.params, new.opt_state))
+    return _Window(host[0], host[2], loss_fn, new_params, host[1], new_state, metrics)
+  if batch is None:
+    raise TypeError(f"batch is missing: {_HOW}")
+  if isinstance(step, MicroStep):
+    return _run_micro_step(step, loss_fn, params, opt_state, batch)
+  _refuse_open_window(opt_state)
+  host = _host((params, opt_state, batch))
+  out = _call(step, params, opt_state, batch)
+  if not isinstance(out, tuple | list):
+    return _Window(host[0], host[2], loss_fn, _host(out), host[1], None, None)
+  metrics = next((o for o in out[1:] if isinstance(o, dict) and "grad_norm" in o), None)
+  state = out[1] if len(out) > 1 and out[1] is not metrics else None
+  return _Window(host[0], host[2], loss_fn, _host(out[0]), host[1], _host(state), metrics)
+
+
+def _run_nnx(nnx, step, loss_fn, model, optimizer, batch) -> _Window:
+  """An NNX step on a copy of the model and optimizer; the reference's loss on the trained
+  variables (``optimizer.wrt``), the rest of the model held."""
+  if not isinstance(optimizer, nnx.Optimizer) or batch is None:
+    raise TypeError(
+      f"An NNX model's step takes (model, optimizer, batch), the optimizer an nnx.Optimizer"
+      f"(model, ga.accumulate(inner, k), wrt=nnx.Param), got {type(optimizer).__name__}: {_HOW}"
+    )
+  graphdef, params, rest = nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)
+  rest, state = nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state)
+  _refuse_open_window(state)
+  host = _host((nnx.as_pure(params), state, batch))
+  whole, parts = nnx.split((model, optimizer))  # copied: nnx.clone shares the arrays
+  model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
+  metrics = _call(step, model, optimizer, batch)
+  new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
+
+  def on_params(params, batch):
+    return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+  new_state = _host(nnx.as_pure(optimizer.opt_state))
+  return _Window(host[0], host[2], on_params, _host(new), host[1], new_state, metrics)
+
+
+def _run_micro_step(step: MicroStep, loss_fn, params, opt_state, batch) -> _Window:
+  """A ``ga.micro_step`` on the ``k`` micro-batches of ``batch`` (rows ``i, i + k, ...``)."""
+  if step.has_state:
+    raise ValueError(
+      "check_step runs a ga.micro_step as step(params, state, microbatch), and compares it with"
+      " a loss without model state; this one has has_state=True. Check the same loss with"
+      " ga.micro_step(..., has_state=False) (model state fixed, e.g. BatchNorm in eval mode)."
+    )
+  _refuse_open_window(opt_state)
+  k = step.tx.num_microbatches
+  k = k if isinstance(k, int) else max(int(k(np.asarray(opt_state.count))), 1)
+  check_batch(batch, k)
+  host = _host((params, opt_state, batch))
+  new, state, metrics = _copies((params, opt_state)) + (None,)
+  for i in range(k):
+    new, state, metrics = step(new, state, microbatch(batch, i, k))
+  return _Window(host[0], host[2], loss_fn, _host(new), host[1], _host(state), metrics)
+
+
+def _call(step, *args):
+  """``step`` on copies of ``args`` (it may donate them); its error says how it was called."""
+  try:
+    return step(*_copies(args))
+  except Exception as e:
+    e.add_note(_HOW)
+    raise
+
+
+def _copies(tree):
+  return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+def _host(tree):
+  """Host copies of the arrays (PRNG keys, which numpy cannot hold, copied on the device)."""
+
+  def host(x):
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return x.copy()
+    return np.asarray(x)
+
+  return jax.tree.map(host, tree)
+
+
+def _ga_state(tree) -> Any:
+  """The first :class:`AccumulateState` (or :class:`MicroStepState`) in ``tree``, or None."""
+  is_ga = lambda x: isinstance(x, AccumulateState | MicroStepState)  # noqa: E731
+  return next((x for x in jax.tree.leaves(tree, is_leaf=is_ga) if is_ga(x)), None)
+
+
+def _refuse_open_window(state) -> None:
+  ga = _ga_state(state)
+  if ga is not None and int(np.asarray(ga.micro_step)) != 0:
+    raise ValueError(
+      f"opt_state holds an open window ({int(np.asarray(ga.micro_step))} micro-batches"
+      " accumulated), which the step would add to this batch's: check_step compares one whole"
+      " window with the whole batch. Pass a state at a window's start (tx.init(params), or one"
+      " a closing call returned)."
+    )
+
+
+def _inner_of(state) -> Any:
+  """The inner optimizer's state in ``state``: a ``ga`` state's, else ``state`` itself."""
+  ga = _ga_state(state)
+  return state if ga is None else ga.inner_state
+
+
+def _reference_state(state, inner_tx, params) -> Any:
+  """The step's inner state where it has ``inner_tx``'s structure, else ``inner_tx.init``."""
+  like = jax.tree.structure(jax.eval_shape(inner_tx.init, params))
+  found = _inner_of(state)
+  if found is not None and jax.tree.structure(found) == like:
+    return found
+  return inner_tx.init(params)
+
+
+class _Reference(NamedTuple):
+  """The single-device whole batch, on the host."""
+
+  grads: Any  # g = jax.grad(loss_fn)(p, batch)
+  params: Any  # p + inner_tx.update(g, s, p)
+  states: tuple[Any, Any, Any]  # inner_tx's new state at g, -g and 0
+  moved: Any  # per entry: the most inner_tx's update moves for a gradient within rtol of g
+  factor: float | None  # c where inner_tx's update is c * g (SGD), else None
+
+
+def _whole_batch(window: _Window, inner_tx, has_aux, inner_state, rtol) -> _Reference:
+  """The whole batch's gradient and ``inner_tx``'s update of it (with ``value=`` and ``grad=``
+  as ``ga`` passes them), and its update at ``g ± rtol max|g| r`` (random signs ``r``): what it
+  makes of a gradient within ``rtol``; its update at ``2 g`` and ``g / 2``, state at ``-g``, 0."""
+  tx = optax.with_extra_args_support(inner_tx)
+  p, s, b = jax.device_put((window.params, inner_state, window.batch), jax.devices()[0])
+
+  def update(g, loss, p, s):
+    return tx.update(g, s, p, value=loss, grad=g)
 
   @jax.jit
   def reference(p, s, b):
-    grads = jax.grad(loss_fn, has_aux=has_aux)(p, b)
-    updates, _ = inner_tx.update(grads[0] if has_aux else grads, s, p)
-    return optax.apply_updates(p, updates)
+    out, g = jax.value_and_grad(window.loss_fn, has_aux=has_aux)(p, b)
+    loss = out[0] if has_aux else out
+    updates, new_s = update(g, loss, p, s)
+    return g, loss, optax.apply_updates(p, updates), updates, new_s
 
-  ref = jax.tree.map(np.asarray, reference(p0, inner_tx.init(p0) if s0 is None else s0, b))
-  if jax.tree.structure(new) != jax.tree.structure(ref):
-    raise ValueError(
-      f"The step's new params have the structure {jax.tree.structure(new)}, the params"
-      f" {jax.tree.structure(ref)}: step must return (new_params, ...)."
-    )
+  g, loss, new_p, updates, new_s = reference(p, s, b)
+  eps = rtol * max((float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)), default=0.0)
+  rng = np.random.default_rng(0)
+  signs = jax.tree.map(lambda x: np.where(rng.random(x.shape) < 0.5, -1, 1).astype(x.dtype), g)
 
-  def diff(a, b):
-    return float(np.max(np.abs(np.float64(a) - b), initial=0))
+  @jax.jit
+  def around(g, signs, loss, p, s):
+    def at(scale, shift):
+      return update(jax.tree.map(lambda x, r: scale * x + shift * r, g, signs), loss, p, s)
 
-  scale = max(map(diff, jax.tree.leaves(ref), jax.tree.leaves(host[0])), default=0.0)
-  paths = [jax.tree_util.keystr(path) or "params" for path, _ in jax.tree.leaves_with_path(ref)]
-  max_abs = dict(zip(paths, map(diff, jax.tree.leaves(new), jax.tree.leaves(ref)), strict=True))
+    return at(1, eps)[0], at(1, -eps)[0], at(2, 0)[0], at(0.5, 0)[0], at(-1, 0)[1], at(0, 0)[1]
+
+  up, down, double, half, flipped, zero = around(g, signs, loss, p, s)
+  moved = jax.tree.map(
+    lambda u, a, b: jnp.maximum(jnp.abs(a - u), jnp.abs(b - u)), updates, up, down
+  )
+  factor = _factor(*_host((g, updates, double, half)))
+  return _Reference(*_host((g, new_p, (new_s, flipped, zero), moved)), factor)
+
+
+def _factor(grads, updates, double, half) -> float | None:
+  """``c`` if ``updates = c * grads``, ``c != 0``, and doubling or halving the gradient does
+  the same to the update (no clipping, no normalization), else None."""
+  g, u, u2, uh = (np.concatenate([np.ravel(x).astype(np.float64) for x in jax.tree.leaves(t)])
+                  for t in (grads, updates, double, half))  # fmt: skip
+  top, norm = np.max(np.abs(u), initial=0.0), float(g @ g)
+  if not (top > 0 and norm > 0):
+    return None
+  c = float(u @ g) / norm
+  tol = 1e-5 * top
+  pairs = ((u, c * g), (u2 / 2, u), (uh * 2, u))
+  same = all(np.max(np.abs(a - b)) <= tol for a, b in pairs)
+  return c if np.isfinite(c) and c != 0 and same else None
+
+
+def _error(a, b) -> float:
+  """``max |a - b|`` in float64; inf for a NaN."""
+  err = float(np.max(np.abs(np.float64(a) - b), initial=0.0))
+  return err if np.isfinite(err) else np.inf
+
+
+def _from_state(params, states, step_new) -> tuple[dict[str, float], list[str]]:
+  """The gradient's relative error per leaf, read from the inner optimizer's new state: its
+  params-shaped float trees ``T`` (Adam's ``mu`` and ``nu``), the step's against the
+  reference's ``T(g)``, over the largest entry of the gradient's part ``T(g) - T(0)``. Trees odd
+  in ``g`` (``mu``, whose error is the gradient's) are read, else the others (``nu``)."""
+  treedef, shapes = jax.tree.structure(params), [np.shape(x) for x in jax.tree.leaves(params)]
+
+  def shaped(x):
+    leaves = jax.tree.leaves(x)
+    return (jax.tree.structure(x) == treedef and [np.shape(v) for v in leaves] == shapes
+            and all(jnp.issubdtype(np.result_type(v), jnp.inexact) for v in leaves))  # fmt: skip
+
+  def trees(state):
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=shaped)[0]
+    return [(jax.tree_util.keystr(path), jax.tree.leaves(t)) for path, t in flat if shaped(t)]
+
+  (ref, flipped, zero), mine = map(trees, states), trees(_inner_of(step_new))
+  if not ref or len(mine) != len(ref):
+    return {}, []
+  found = []  # (odd, name, errors per leaf)
+  for (name, r), (_, rf), (_, r0), (_, m) in zip(ref, flipped, zero, mine, strict=True):
+    part = max(map(_error, r, r0))
+    if 0 < part < np.inf:  # T(g) + T(-g) = 2 T(0) for an odd T
+      bent = [np.float64(a) + b - 2 * np.float64(c) for a, b, c in zip(r, rf, r0, strict=True)]
+      odd = max(_error(x, 0) for x in bent)
+      errors = [_error(a, b) / part for a, b in zip(m, r, strict=True)]
+      found.append((odd <= 1e-3 * part, name, errors))
+  read = [f for f in found if f[0]] or found
+  paths = [jax.tree_util.keystr(p) or "params" for p, _ in jax.tree.leaves_with_path(params)]
+  errors = {p: max(f[2][i] for f in read) for i, p in enumerate(paths)} if read else {}
+  return errors, [f[1] for f in read]
+
+
+def _norm_error(metrics, grads) -> float | None:
+  """``|grad_norm / |g| - 1|`` where the step reports ``metrics["grad_norm"]``, else None."""
+  if not isinstance(metrics, dict) or "grad_norm" not in metrics:
+    return None
+  reported = float(np.asarray(metrics["grad_norm"]))
+  whole = float(np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in jax.tree.leaves(grads))))
+  err = abs(reported - whole) / whole if whole > 0 else (0.0 if reported == 0 else np.inf)
+  return err if np.isfinite(err) else np.inf
+
+
+def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
+  """The verdict: the gradient where it was read, the update within what ``inner_tx`` makes of
+  a gradient within ``rtol``, and something compared."""
+  paths = [jax.tree_util.keystr(p) or "params" for p, _ in jax.tree.leaves_with_path(ref.params)]
+  new, old, target = (jax.tree.leaves(t) for t in (window.new_params, window.params, ref.params))
+  scale = max(map(_error, target, old), default=0.0)
+  diffs = [np.abs(np.float64(a) - b) for a, b in zip(new, target, strict=True)]
+  max_abs = {p: float(np.max(d, initial=0.0)) for p, d in zip(paths, diffs, strict=True)}
   max_rel = {p: a / scale if scale > 0 else (0.0 if a == 0 else np.inf) for p, a in max_abs.items()}
-  ok = all(np.isfinite(v) and v <= rtol for v in max_rel.values())
-  return StepCheck(bool(ok), float(rtol), scale, max_abs, max_rel)
+  bound = [np.maximum(rtol * scale, m) for m in jax.tree.leaves(ref.moved)]
+  within = {p: bool(np.all(d <= m)) for p, d, m in zip(paths, diffs, bound, strict=True)}
+  noise = tuple(p for p in paths if within[p] and not max_rel[p] <= rtol)
+
+  grad_rel, read = _from_state(window.params, ref.states, window.new_state)
+  compared = [f"the inner optimizer's new state ({', '.join(read)})"] if read else []
+  if not grad_rel and ref.factor is not None:  # the update is c * g: its error is g's
+    top = max(float(np.max(np.abs(g), initial=0.0)) for g in jax.tree.leaves(ref.grads))
+    grad_rel = {p: a / (abs(ref.factor) * top) for p, a in max_abs.items()}
+    compared.append(f"the update ({ref.factor:.3g} times the gradient for inner_tx)")
+  norm = _norm_error(window.metrics, ref.grads)
+  compared += [] if norm is None else ["metrics['grad_norm']"]
+  errors = list(grad_rel.values()) + ([] if norm is None else [norm])
+  grads_ok = all(e <= rtol for e in errors)
+  what = " and ".join(compared) or "nothing: inner_tx keeps no moment of it and is not linear in it"
+  if not scale > 0 and not grad_rel:
+    reason = _ZERO_UPDATE.format(what)
+  elif not grads_ok:
+    reason = _GRADIENT_DIFFERS
+  elif not all(within.values()):
+    reason = _UPDATE_DIFFERS.format(", while its gradient is the whole batch's" if grad_rel else "")
+  else:
+    reason = None
+  return StepCheck(
+    reason is None, rtol, scale, max_abs, max_rel, grad_rel, norm,
+    max(errors) if errors else None, what, noise, reason,
+  )  # fmt: skip

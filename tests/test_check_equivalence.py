@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import init_mlp, make_batch, mlp, xent_loss
 from jax.sharding import NamedSharding
@@ -282,3 +283,176 @@ def test_bad_batch_and_loss_fn():
     ga.check_equivalence(xent_loss, params, batch, 4, mesh=mesh_8())
   with pytest.raises(ValueError, match=r"data_axis='batch' names 'batch'"):
     ga.check_equivalence(xent_loss, params, batch, 2, mesh=mesh_8(), data_axis="batch")
+
+
+# --- ga.check_step: one window of a built step against the single-device whole batch ----------
+
+C, K = 5, 4  # classes; micro-batches per window
+
+
+def init_shifted(key):
+  k1, k2 = jax.random.split(key)
+  w1 = jax.random.normal(k1, (6, 16)) / 6**0.5
+  return {"w1": w1, "w2": jax.random.normal(k2, (16, C)) / 4, "shift": jnp.full((1,), 0.3)}
+
+
+def shifted_xent(params, batch):
+  """Cross-entropy of logits plus one shift added to every logit. The softmax ignores the shift,
+  so its true gradient is 0, as an attention key bias's is: sum_c (softmax_c - onehot_c) = 0."""
+  logits = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] + params["shift"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
+
+
+SHIFTED = init_shifted(jax.random.key(0))
+CLS_BATCH = make_batch(jax.random.key(1), 32, num_classes=C)
+
+
+def fused(inner, loss_fn=shifted_xent, params=SHIFTED, batch=CLS_BATCH, **kwargs):
+  """``check_step`` of ``ga.train_step(loss_fn, ga.accumulate(inner, K))`` against
+  ``shifted_xent`` and ``inner``."""
+  tx = ga.accumulate(inner, K)
+  step = ga.train_step(loss_fn, tx, **kwargs)
+  return ga.check_step(step, shifted_xent, inner, params, tx.init(params), batch)
+
+
+def scaled(loss_fn, factor):
+  return lambda p, b: factor * loss_fn(p, b)
+
+
+@pytest.mark.slow
+def test_check_step_has_no_false_alarm_for_adam_on_a_zero_gradient_leaf():
+  g = jax.grad(shifted_xent)(SHIFTED, CLS_BATCH)
+  assert abs(float(g["shift"][0])) <= 1e-6 * float(jnp.max(jnp.abs(g["w2"])))  # 0, rounded
+  result = fused(optax.adam(1e-3))
+  assert result.ok, str(result)
+  # Adam turns the shift's rounding noise into an update of about lr: the updates differ there,
+  # the gradients do not.
+  assert result.max_rel["['shift']"] > 10 * result.rtol, str(result)
+  assert result.optimizer_noise == ("['shift']",)
+  assert result.max_rel_grad_error <= 1e-5 and result.grad_norm_rel <= 1e-5
+  assert set(result.grad_rel) == set(result.max_rel) and "mu" in result.compared
+  text = str(result)
+  assert "~ optimizer noise" in text and "NOT" not in text and "<- differs" not in text
+  # SGD reads the gradient from its update (-lr times it): the same verdict, the same errors.
+  sgd = fused(optax.sgd(0.1))
+  assert sgd.ok and "-0.1 times the gradient" in sgd.compared, str(sgd)
+  assert sgd.grad_rel == pytest.approx(sgd.max_rel, rel=1e-3, abs=1e-9)
+
+
+WARM_UP = optax.linear_schedule(0.0, 1e-3, 10)
+ADAM = optax.adam(1e-3)
+
+
+@pytest.mark.slow
+def test_check_step_judges_a_zero_reference_update_by_the_gradient_or_flags_it():
+  # The warm-up's first learning rate is 0: the reference update is 0 on every entry.
+  u, _ = optax.adam(WARM_UP).update(SHIFTED, optax.adam(WARM_UP).init(SHIFTED), SHIFTED)
+  assert not any(bool(jnp.any(x != 0)) for x in jax.tree.leaves(u))
+  exact = fused(optax.adam(WARM_UP))
+  assert exact.ok and exact.scale == 0.0 and exact.max_rel_grad_error <= 1e-5, str(exact)
+  assert "judged by the gradient" in str(exact)
+  doubled = fused(optax.adam(WARM_UP), scaled(shifted_xent, 2.0))
+  assert not doubled.ok and doubled.scale == 0.0, str(doubled)
+  np.testing.assert_allclose(doubled.max_rel_grad_error, 1.0, rtol=1e-4)  # 2 g against g
+  # SGD keeps no moment and its update (0) says nothing of the gradient: flagged.
+  sgd = fused(optax.sgd(optax.linear_schedule(0.0, 0.1, 10)))
+  assert not sgd.ok and sgd.reason.startswith("the reference update is 0"), str(sgd)
+  assert sgd.grad_rel == {} and sgd.compared == "metrics['grad_norm']"
+
+
+def microbatch_means(loss_fn, params, batch, weights=None):
+  """The weighted mean of the micro-batches' gradients (rows i, i + K, ...), by slicing."""
+  grads = [jax.grad(loss_fn)(params, rows(batch, i, K)) for i in range(K)]
+  w = np.ones(K) if weights is None else np.asarray(weights, np.float64)
+  return jax.tree.map(
+    lambda *g: sum(wi * gi for wi, gi in zip(w, g, strict=True)) / w.sum(), *grads
+  )
+
+
+def rel_error(grads, whole):
+  """The largest entry of ``|grads - whole|`` over the largest of ``|whole|``."""
+  diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)
+  return max(jax.tree.leaves(diffs)) / max(
+    float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(whole)
+  )
+
+
+def clip(tree, c):
+  return jax.tree.map(lambda g: g * min(1.0, c / float(optax.tree.norm(tree))), tree)
+
+
+def streaming_step(loss_fn, tx):
+  """A hand-written window: ``tx.update`` once per micro-batch, in one jitted call."""
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    for i in range(K):
+      updates, opt_state = tx.update(
+        jax.grad(loss_fn)(params, rows(batch, i, K)), opt_state, params
+      )
+      params = optax.apply_updates(params, updates)
+    return params, opt_state
+
+  return step
+
+
+def averaging_twice(loss_fn, inner):
+  """A hand-written window that divides the micro-batches' summed gradient by K twice."""
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    total = microbatch_means(loss_fn, params, batch)
+    updates, opt_state = inner.update(jax.tree.map(lambda g: g / K, total), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", [optax.adam(1e-3), optax.sgd(0.1)], ids=["adam", "sgd"])
+def test_check_step_catches_a_gradient_scaled_or_reduced_twice(inner):
+  times_k = fused(inner, scaled(shifted_xent, float(K)))
+  assert not times_k.ok and "reduced twice" in times_k.reason, str(times_k)
+  np.testing.assert_allclose(times_k.max_rel_grad_error, K - 1, rtol=1e-4)  # K g against g
+  np.testing.assert_allclose(times_k.grad_norm_rel, K - 1, rtol=1e-4)
+  step = averaging_twice(shifted_xent, inner)
+  twice = ga.check_step(step, shifted_xent, inner, SHIFTED, inner.init(SHIFTED), CLS_BATCH)
+  assert not twice.ok and twice.grad_norm_rel is None, str(twice)
+  np.testing.assert_allclose(twice.max_rel_grad_error, 1 - 1 / K, rtol=1e-4)  # g / K against g
+  assert "<- differs" in str(twice) and "NOT equivalent" in str(twice)
+
+
+@pytest.mark.slow
+def test_check_step_catches_a_mean_of_micro_batch_means_under_adam():
+  params, batch, inner = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 8), ADAM
+  counts = [float(rows(batch, i, K)["mask"].sum()) for i in range(K)]
+  assert len(set(counts)) > 1  # uneven token counts
+  tx = ga.accumulate(inner, K)
+  step = ga.train_step(token_xent, tx)
+  plain = ga.check_step(step, token_xent, inner, params, tx.init(params), batch)
+  assert not plain.ok, str(plain)
+  whole = jax.grad(token_xent)(params, batch)
+  expected = rel_error(microbatch_means(token_xent, params, batch), whole)
+  assert expected > 1e-3
+  np.testing.assert_allclose(plain.max_rel_grad_error, expected, rtol=1e-3)
+  assert rel_error(microbatch_means(token_xent, params, batch, counts), whole) < 1e-5
+  step = ga.train_step(token_xent, tx, weight_fn=count_tokens)
+  weighted = ga.check_step(step, token_xent, inner, params, tx.init(params), batch)
+  assert weighted.ok and weighted.max_rel_grad_error <= 1e-5, str(weighted)
+
+
+@pytest.mark.slow
+def test_check_step_catches_clipping_per_micro_batch():
+  per_micro = [jax.grad(shifted_xent)(SHIFTED, rows(CLS_BATCH, i, K)) for i in range(K)]
+  c = 0.5 * min(float(optax.tree.norm(g)) for g in per_micro)  # clips every one of them
+  inner = optax.chain(optax.clip_by_global_norm(c), optax.adam(1e-3))
+  after = fused(inner)
+  assert after.ok, str(after)
+  tx = optax.chain(optax.clip_by_global_norm(c), ga.accumulate(optax.adam(1e-3), K))
+  step = streaming_step(shifted_xent, tx)
+  before = ga.check_step(step, shifted_xent, inner, SHIFTED, tx.init(SHIFTED), CLS_BATCH)
+  assert not before.ok and "clipped" in before.reason, str(before)
+  whole = clip(jax.grad(shifted_xent)(SHIFTED, CLS_BATCH), c)
+  mean = jax.tree.map(lambda *g: sum(g) / K, *(clip(g, c) for g in per_micro))
+  np.testing.assert_allclose(before.max_rel_grad_error, rel_error(mean, whole), rtol=1e-3)
