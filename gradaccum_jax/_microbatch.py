@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +33,7 @@ from gradaccum_jax._parts import (
   with_params,
   zeros_accumulator,
 )
-from gradaccum_jax._sharding import over_mesh, to_varying
+from gradaccum_jax._sharding import over_mesh, refuse_nested_shard_map, to_varying
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
@@ -325,6 +326,10 @@ class MicrobatchedGrad:
       return Micro(loss, aux, grads, w, new_state)
 
     why = None
+    if vary:  # inside the step's shard_map over the data axes
+      mb0, key0 = microbatch(batch, 0, k), None if rng is None else jax.random.fold_in(rng, 0)
+      loss0 = functools.partial(opts.objective, params, model_state, mb0, key0, scale)
+      refuse_nested_shard_map(loss0, vary, opts.where)
     like = jax.eval_shape(one, 0, model_state)
 
     def body(c: Carry, i) -> tuple[Carry, None]:

@@ -386,6 +386,27 @@ def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) 
   return rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads), aux=aux), noise
 
 
+def refuse_nested_shard_map(trace: Callable[[], Any], axes: tuple, where: str) -> None:
+  """A ValueError, at trace time, for a loss that calls ``jax.shard_map`` itself inside the
+  step's own ``shard_map`` over the data ``axes`` (``trace`` traces one micro-batch's loss): JAX
+  cannot lower that nesting (a context-mesh mismatch, or a Shardy verifier error that names
+  neither cause nor fix)."""
+  try:
+    nested = "shard_map" in str(jax.make_jaxpr(trace)())
+  except ValueError as e:  # the nested call may fail while it is traced
+    if "shard_map" not in str(e):
+      raise
+    nested = True
+  if nested:
+    raise ValueError(
+      f"{where}: loss_fn calls jax.shard_map inside the step's mesh=, where the data axes"
+      f" {axes} are already manual (the step's own shard_map runs each device's micro-batches),"
+      " and JAX cannot lower a shard_map nested there. Leave the model axes to GSPMD instead:"
+      " shard the params over them with param_specs= and write loss_fn without shard_map"
+      " (docs/data_parallel.md, 'Model axes'); or call the step without mesh=."
+    )
+
+
 def over_mesh(
   dp: DataParallel,
   core: Any,

@@ -131,6 +131,22 @@ def fp8_refused(where):
   return ga.train_step(lambda v, mb: xent_loss(v["params"], mb), tx)(more, tx.init(PARAMS), BATCH)
 
 
+def nested_shard_map():
+  """A loss with its own shard_map over "model" inside the step's shard_map over "data"."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  spec = jax.sharding.PartitionSpec
+
+  def loss_fn(w, mb):
+    def inner(w_shard, x):
+      return jax.lax.psum(jnp.sum((x @ w_shard) ** 2), "model")
+
+    tp = jax.shard_map(inner, mesh=mesh, in_specs=(spec(None, "model"), spec()), out_specs=spec())
+    return tp(w, mb["x"]) / mb["x"].shape[0]
+
+  w = jnp.ones((6, 8))
+  return fused(params=w, loss_fn=loss_fn, mesh=mesh, data_axis="data")
+
+
 TRIGGERS = {
   "Flax's fp8 collection in `ga.micro_step`'s params": lambda: fp8_refused("micro_step"),
   "Flax's fp8 collection in `tx.update`'s grads": lambda: fp8_refused("tx.update"),
@@ -193,6 +209,15 @@ TRIGGERS = {
     xent_loss,
     ga.accumulate(optax.sgd(0.1), K),
     mesh=jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Explicit,)),
+  ),
+  "a loss that calls `jax.shard_map` itself (over a model axis) inside a step with `mesh=`": (
+    nested_shard_map
+  ),
+  "a batch beyond the square-root rule's range in `ga.scale_adam_hyperparams` (κ (1 − β) > 1, e.g. `b1=0.9` at 11× the batch)": lambda: (
+    ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 11 * 256)
+  ),
+  "an unknown `rule` in `ga.scale_adam_hyperparams`": lambda: ga.scale_adam_hyperparams(
+    0.9, 0.999, 1e-8, 512, 256, rule="linear"
   ),
   "`every_k_schedule=` (`optax.MultiSteps`' name) given to `ga.accumulate`": lambda: ga.accumulate(
     optax.sgd(0.1), every_k_schedule=4
