@@ -503,7 +503,7 @@ def _run_nnx(nnx, step, loss_fn, model, optimizer, batch) -> _Window:
   host = _host((nnx.as_pure(params), state, batch))
   whole, parts = nnx.split((model, optimizer))  # copied: nnx.clone shares the arrays
   model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
-  metrics = _call(step, model, optimizer, batch)
+  metrics = _call(step, model, optimizer, _copies(batch), copy=False)
   new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
 
   def on_params(params, batch):
@@ -532,10 +532,10 @@ def _run_micro_step(step: MicroStep, loss_fn, params, opt_state, batch) -> _Wind
   return _Window(host[0], host[2], loss_fn, _host(new), host[1], _host(state), metrics)
 
 
-def _call(step, *args):
+def _call(step, *args, copy=True):
   """``step`` on copies of ``args`` (it may donate them); its error says how it was called."""
   try:
-    return step(*_copies(args))
+    return step(*(_copies(args) if copy else args))
   except Exception as e:
     e.add_note(_HOW)
     raise

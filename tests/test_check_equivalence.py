@@ -3,11 +3,14 @@
 import dataclasses
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from flax.training import train_state
 from helpers import init_mlp, make_batch, mlp, xent_loss
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -456,3 +459,138 @@ def test_check_step_catches_clipping_per_micro_batch():
   whole = clip(jax.grad(shifted_xent)(SHIFTED, CLS_BATCH), c)
   mean = jax.tree.map(lambda *g: sum(g) / K, *(clip(g, c) for g in per_micro))
   np.testing.assert_allclose(before.max_rel_grad_error, rel_error(mean, whole), rtol=1e-3)
+
+
+class NnxNet(nnx.Module):
+  """shifted_xent's model in NNX."""
+
+  def __init__(self, seed=0):
+    rngs = nnx.Rngs(seed)
+    self.hidden, self.out = nnx.Linear(6, 16, rngs=rngs), nnx.Linear(16, C, rngs=rngs)
+    self.shift = nnx.Param(jnp.full((1,), 0.3))
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.hidden(x))) + self.shift
+
+
+class LinenNet(nn.Module):
+  """shifted_xent's model in Linen."""
+
+  @nn.compact
+  def __call__(self, x):
+    shift = self.param("shift", lambda key: jnp.full((1,), 0.3))
+    return nn.Dense(C)(jnp.tanh(nn.Dense(16)(x))) + shift
+
+
+def logits_xent(logits, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def nnx_xent(model, batch):
+  return logits_xent(model(batch["x"]), batch)
+
+
+def linen_xent(params, batch):
+  return logits_xent(LinenNet().apply({"params": params}, batch["x"]), batch)
+
+
+def front_end(kind, inner, factor=1.0):
+  """``(step, loss_fn, arguments)`` for check_step; the step's loss is ``factor`` times its."""
+  tx = ga.accumulate(inner, K)
+  if kind == "nnx":
+    model = NnxNet()
+    step = ga.nnx_train_step(scaled(nnx_xent, factor), donate=True)
+    return step, nnx_xent, (model, nnx.Optimizer(model, tx, wrt=nnx.Param), CLS_BATCH)
+  if kind == "linen":
+    params = LinenNet().init(jax.random.key(0), CLS_BATCH["x"][:1])["params"]
+    ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    return ga.linen_train_step(LinenNet(), scaled(logits_xent, factor)), linen_xent, (ts, CLS_BATCH)
+  loss_fn = scaled(shifted_xent, factor)
+  if kind == "train_step":
+    step = ga.train_step(loss_fn, tx, donate=True)
+  elif kind == "micro_step":
+    step = ga.micro_step(loss_fn, tx, donate=True)
+  else:  # your own: tx.update once per micro-batch
+    step = streaming_step(loss_fn, tx)
+  return step, shifted_xent, (SHIFTED, tx.init(SHIFTED), CLS_BATCH)
+
+
+def host_copy(args):
+  if isinstance(args[0], nnx.Module):
+    args = nnx.state(args[:2]), args[2]
+  return [np.asarray(x) for x in jax.tree.leaves(args)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["train_step", "micro_step", "linen", "nnx", "own_streaming"])
+def test_check_step_takes_every_front_end(kind):
+  step, loss_fn, args = front_end(kind, ADAM)
+  before = host_copy(args)
+  result = ga.check_step(step, loss_fn, ADAM, *args)
+  assert result.ok and "mu" in result.compared and result.max_rel_grad_error <= 1e-5, str(result)
+  assert (result.grad_norm_rel is None) == (kind == "own_streaming")  # ga's steps report it
+  assert len(result.max_rel) == (3 if kind in ("train_step", "micro_step", "own_streaming") else 5)
+  assert [s for s in result.optimizer_noise if "shift" in s], str(result)  # adam's noise, excused
+  for a, b in zip(host_copy(args), before, strict=True):  # the step ran on copies
+    np.testing.assert_array_equal(a, b)
+  step, loss_fn, args = front_end(kind, ADAM, factor=2.0)
+  doubled = ga.check_step(step, loss_fn, ADAM, *args)
+  assert not doubled.ok and "<- differs" in str(doubled), str(doubled)
+  np.testing.assert_allclose(doubled.max_rel_grad_error, 1.0, rtol=1e-4)  # 2 g against g
+
+
+def test_check_step_refuses_what_it_cannot_check_and_says_what_to_pass():
+  inner, tx = ADAM, ga.accumulate(ADAM, K)
+  model = NnxNet()
+  with pytest.raises(TypeError, match=r"An NNX model's step takes \(model, optimizer, batch\)"):
+    ga.check_step(ga.nnx_train_step(nnx_xent), nnx_xent, inner, model, tx.init(SHIFTED), CLS_BATCH)
+  linen_step, _, (ts, batch) = front_end("linen", inner)
+  with pytest.raises(TypeError, match=r"A TrainState's step takes \(train_state, batch\)"):
+    ga.check_step(linen_step, linen_xent, inner, ts, ts.opt_state, batch)
+  with pytest.raises(TypeError, match="train_state.tx must be made by ga.accumulate") as err:
+    ga.check_step(linen_step, linen_xent, inner, ts.params, ts.opt_state, batch)
+  assert "(..., train_state, batch) for ga.linen_train_step" in " ".join(err.value.__notes__)
+  stateful = ga.micro_step(lambda p, s, mb: (shifted_xent(p, mb), s), tx, has_state=True)
+  with pytest.raises(ValueError, match=r"has_state=True\. Check the same loss with"):
+    ga.check_step(stateful, shifted_xent, inner, SHIFTED, tx.init(SHIFTED), CLS_BATCH)
+  step = ga.train_step(shifted_xent, tx)
+  with pytest.raises(TypeError, match=r"batch is missing: check_step calls the step as you pass"):
+    ga.check_step(step, shifted_xent, inner, SHIFTED, tx.init(SHIFTED))
+  _, inside = tx.update(SHIFTED, tx.init(SHIFTED), SHIFTED)  # one micro-batch of K
+  with pytest.raises(ValueError, match=r"open window \(1 micro-batches accumulated\)"):
+    ga.check_step(step, shifted_xent, inner, SHIFTED, inside, CLS_BATCH)
+
+
+def test_step_check_report_shows_the_gradient_beside_the_update():
+  paths = ("['a']", "['b']", "['c']")
+  check = ga.StepCheck(
+    ok=False, rtol=1e-4, scale=1e-3, max_abs=dict(zip(paths, (2e-4, 5e-5, 0.0), strict=True)),
+    max_rel=dict(zip(paths, (0.2, 0.05, 0.0), strict=True)),
+    grad_rel=dict(zip(paths, (1e-7, 0.5, 0.0), strict=True)), grad_norm_rel=0.25,
+    max_rel_grad_error=0.5, compared="the inner optimizer's new state ([0].mu)",
+    optimizer_noise=("['a']",), reason="the step's gradient is not the whole batch's.",
+  )  # fmt: skip
+  lines = str(check).splitlines()
+  assert lines[0].endswith(": NOT equivalent (rtol=0.0001)")
+  assert lines[1] == (
+    "  gradient: relative error 5.000e-01, from the inner optimizer's new state ([0].mu)"
+  )
+  assert lines[2] == "  update:   relative error 2.000e-01 of the largest reference update, 0.001"
+
+  def row(leaf, grad, max_abs, rel, flag):
+    grad, max_abs, rel = map(re.escape, (grad, max_abs, rel))
+    return rf"  \['{leaf}'\] +gradient +{grad}  update max abs {max_abs}  relative {rel}{flag}"
+
+  rows = [
+    row("a", "1.000e-07", "2.000e-04", "2.000e-01", "  ~ optimizer noise"),
+    row("b", "5.000e-01", "5.000e-05", "5.000e-02", "  <- differs"),  # the gradient differs
+    row("c", "0.000e+00", "0.000e+00", "0.000e+00", ""),
+  ]
+  for pattern, line in zip(rows, lines[3:6], strict=True):
+    assert re.fullmatch(pattern, line), line
+  assert lines[6] == "  the step's gradient is not the whole batch's."
+  assert lines[7].startswith("  ~ optimizer noise: the update differs where the gradient is")
+  # Made as before (five fields), the gradient is not read and the rows show none.
+  old = ga.StepCheck(True, 1e-4, 1e-3, {"['a']": 0.0}, {"['a']": 0.0})
+  assert "gradient: not read, from nothing" in str(old)
+  assert re.search(r"\['a'\] +gradient +-  update", str(old))
