@@ -1,13 +1,13 @@
-"""The package surface and the demo."""
+"""The package surface and what the wheel holds."""
 
 import importlib.resources
-import re
-import sys
-
-import pytest
+import tarfile
+import zipfile
+from pathlib import Path
 
 import gradaccum_jax as ga
-from gradaccum_jax.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_public_names_are_reexported():
@@ -49,58 +49,23 @@ def test_public_names_are_reexported():
   assert importlib.resources.files("gradaccum_jax").joinpath("py.typed").is_file()
 
 
-@pytest.mark.slow
-def test_demo_runs_and_agrees(capsys, tmp_path):
-  argv = ["--steps", "3", "--k", "4", "--microbatch-size", "8", "--hidden", "16"]
-  assert main([*argv, "--out", str(tmp_path), "--quiet"]) == 0
-  out = capsys.readouterr().out
-  assert "| plain batch of 32 |" in out
-  assert "| ga.train_step 4 x 8 |" in out
-  assert "| optax.MultiSteps 4 x 8 |" in out
-  assert "the runs agree" in out
-  # No memory column: one window is one program for two runs and k programs for MultiSteps.
-  assert "| run | final train loss | test accuracy | ms / window (median) |\n" in out
-  png = tmp_path / "loss_curves.png"
-  assert png.is_file() and png.stat().st_size > 0
+def test_wheel_holds_the_library_only(tmp_path, monkeypatch):
+  """The wheel holds the package's modules, py.typed and the metadata: no demo, no console
+  script. The sdist keeps the demo, examples/demo.py, which the README runs from a clone."""
+  import hatchling.build
 
-
-@pytest.mark.parametrize(
-  "argv, message",
-  [
-    (["--lr", "-1"], "argument --lr: must be positive, got -1"),
-    (["--lr=0"], "argument --lr: must be positive, got 0"),
-    (["--lr", "nan"], "argument --lr: must be positive, got nan"),
-    (["--lr", "fast"], "argument --lr: 'fast' is not a float"),
-    (["--k", "0"], "argument --k: must be positive, got 0"),
-    (["--steps", "-3"], "argument --steps: must be positive, got -3"),
-    (["--hidden", "1.5"], "argument --hidden: '1.5' is not a int"),
-  ],
-)
-def test_demo_rejects_bad_arguments(argv, message, capsys):
-  with pytest.raises(SystemExit) as exc:
-    main([*argv, "--quiet"])
-  assert exc.value.code == 2
-  assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-  "argv0, prog",
-  [
-    ("/venv/bin/gradaccum-jax", "gradaccum-jax"),
-    ("/src/gradaccum_jax/__main__.py", "python -m gradaccum_jax"),
-  ],
-)
-def test_demo_help_names_the_command(argv0, prog, capsys, monkeypatch):
-  monkeypatch.setattr(sys, "argv", [argv0, "--help"])
-  with pytest.raises(SystemExit) as exc:
-    main(["--help"])
-  assert exc.value.code == 0
-  out = capsys.readouterr().out
-  assert out.startswith(f"usage: {prog} ")
-  assert "``" not in out
-  # Every option has a help text (argparse leaves the rest of the line empty otherwise).
-  for option in ("--k K", "--steps STEPS", "--lr LR", "--hidden HIDDEN", "--seed SEED"):
-    assert re.search(rf"^  {option} +\S", out, re.M), option
+  monkeypatch.chdir(ROOT)
+  wheel = hatchling.build.build_wheel(str(tmp_path / "wheel"))
+  with zipfile.ZipFile(tmp_path / "wheel" / wheel) as archive:
+    files = sorted(archive.namelist())
+  info = wheel.removesuffix("-py3-none-any.whl") + ".dist-info"
+  modules = [f"gradaccum_jax/{path.name}" for path in (ROOT / "gradaccum_jax").glob("*.py")]
+  metadata = [f"{info}/{name}" for name in ("METADATA", "WHEEL", "RECORD", "licenses/LICENSE")]
+  assert files == sorted([*modules, "gradaccum_jax/py.typed", *metadata])
+  assert "gradaccum_jax/__init__.py" in files and "gradaccum_jax/_accumulate.py" in files
+  sdist = hatchling.build.build_sdist(str(tmp_path / "sdist"))
+  with tarfile.open(tmp_path / "sdist" / sdist) as archive:
+    assert f"{sdist.removesuffix('.tar.gz')}/examples/demo.py" in archive.getnames()
 
 
 def test_import_needs_no_flax():

@@ -1,8 +1,10 @@
 """Train a small MLP on scikit-learn's digits with a plain big batch, ga.train_step,
 optax.MultiSteps and optax.microbatching, from the same start on the same batches, in three
-cases: equal micro-batches with a mean loss (where all of them match the big batch), uneven
-token counts with a token-mean loss, and clipping with a warm-up schedule. Prints how far each
-tool's updates are from the big batch's, and plots it."""
+cases: every row real with a token-mean loss (where all of them match the big batch), the same
+programs on windows with uneven token counts, and clipping with a warm-up schedule. Prints how
+far each tool's updates are from the big batch's, and plots it.
+
+From a clone, after pip install -e ".[examples]": python examples/demo.py"""
 
 from __future__ import annotations
 
@@ -26,13 +28,13 @@ TOLERANCE = 1e-3
 
 
 class Run(NamedTuple):
-  """One way to train: a jitted step, the optimizer whose ``init`` makes its state, each
-  window's batches (the whole window, or its k micro-batches), and why it may differ from the
-  big batch (None: it should not)."""
+  """One way to train: a jitted step, the optimizer whose ``init`` makes its state, whether a
+  call takes the whole window (else one micro-batch of it), and why it may differ from the big
+  batch (None: it should not)."""
 
   step: Any
   tx: Any
-  windows: list
+  whole: bool
   differs_because: str | None = None
 
 
@@ -48,6 +50,7 @@ class Result(NamedTuple):
 
 class Case(NamedTuple):
   title: str
+  windows: list  # each window's rows (a dict of arrays)
   runs: dict[str, Run]  # the first is the reference: the plain step on the whole window
 
 
@@ -58,7 +61,9 @@ def init_params(seed, sizes):
   return [{"w": w.astype(np.float32), "b": np.zeros(w.shape[1], np.float32)} for w in ws]
 
 
-def _row_losses(params, batch):
+@jax.jit
+def row_losses(params, batch):
+  """Each row's cross-entropy, and whether the MLP classifies it right."""
   x = batch["x"]
   for layer in params[:-1]:
     x = jax.nn.relu(x @ layer["w"] + layer["b"])
@@ -69,15 +74,20 @@ def _row_losses(params, batch):
 
 def loss_fn(params, batch):
   """The mean cross-entropy of the batch's rows, and their accuracy."""
-  losses, hits = _row_losses(params, batch)
+  losses, hits = row_losses(params, batch)
   return losses.mean(), {"accuracy": jnp.mean(hits)}
 
 
 def token_loss(params, batch):
   """The mean cross-entropy of the batch's real rows (``mask`` 1; padding is 0): a token mean."""
-  losses, hits = _row_losses(params, batch)
+  losses, hits = row_losses(params, batch)
   tokens = jnp.maximum(batch["mask"].sum(), 1.0)
   return jnp.sum(losses * batch["mask"]) / tokens, {"accuracy": jnp.mean(hits)}
+
+
+def real_rows(microbatch):
+  """ga's ``weight_fn`` for ``token_loss``: the micro-batch's real (not padding) rows."""
+  return microbatch["mask"].sum()
 
 
 def load_digits_split(seed):
@@ -122,9 +132,9 @@ def _positive(kind, text):
 
 
 def _parse(argv):
-  name = os.path.basename(sys.argv[0]) if sys.argv else ""  # gradaccum-jax(.exe), or python -m
-  prog = "gradaccum-jax" if name.startswith("gradaccum-jax") else "python -m gradaccum_jax"
-  parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   pos_int, pos_float = (functools.partial(_positive, kind) for kind in (int, float))
   for flag, kind, default, text in [
     ("--k", pos_int, 8, "micro-batches per update (default 8)"),
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     import sklearn  # noqa: F401
     from tqdm import tqdm
   except ImportError as e:
-    hint = 'pip install "gradaccum_jax[examples]" (in a clone: pip install -e ".[examples]")'
+    hint = 'in the clone, pip install -e ".[examples]"'
     print(f"error: the demo needs scikit-learn, matplotlib and tqdm: {hint} ({e})", file=sys.stderr)
     raise SystemExit(2) from None
   matplotlib.use("Agg")
@@ -164,20 +174,21 @@ def main(argv: list[str] | None = None) -> int:
       f" {args.steps} adam updates of {rows} = {k} x {b} rows, from the same start, per case"
     )
     bar = functools.partial(tqdm, disable=args.quiet or not sys.stderr.isatty(), leave=False)
+    data = jax.device_put({"x": np.concatenate([x_tr, x_te]), "y": np.concatenate([y_tr, y_te])})
     found = []  # (case number, name, Result, differs_because) of every run but the references
     for number, case in enumerate(_cases(args, windows), start=1):
       print(f"\n{number}. {case.title}")
-      found += _run_case(number, case, params0, bar, (x_tr, y_tr, x_te, y_te))
+      found += _run_case(number, case, args, params0, bar, (data, len(x_tr)))
     agree = _report(found, args.steps)
     print(f"plot: {_plot(found, args, plt)}")
     return 0 if agree else 1
 
 
 def _cases(args, windows) -> list[Case]:
-  """The three cases, each a reference (the plain step on the whole window) and the tools."""
+  """The three cases, each a reference (the plain step on the whole window) and the tools.
+  Cases 1 and 2 run the same programs (one compile each), on windows without and with padding."""
   k, b, lr = args.k, args.microbatch_size, args.lr
   clip = 1.0  # the global norm of case 3 (the digits MLP's gradients start at norms 3 to 5)
-  padded = with_padding(windows, k, args.seed)
   # The schedule of case 3: warm-up from lr / 10 to lr, then a cosine back to lr / 10.
   warmup = max(1, args.steps // 10)
   decay = max(args.steps, 2 * warmup)
@@ -189,60 +200,62 @@ def _cases(args, windows) -> list[Case]:
       lambda learning_rate: optax.MultiSteps(optax.adam(learning_rate), k).gradient_transformation()
     )(learning_rate=schedule),
   )
+  ms = f"optax.MultiSteps {k} x {b}"
+  tokens = _runs(args, token_loss, adam, {ms: optax.MultiSteps(adam, k)})
   mean_of_means = "a mean of per-micro-batch means, not the token mean"
-  multisteps = f"optax.MultiSteps {k} x {b}"
+  uneven = {n: r._replace(differs_because=mean_of_means) if n.startswith("optax") else r
+            for n, r in tokens.items()}  # fmt: skip
+  case3 = _runs(args, loss_fn, clipped, {
+    f"{ms}, inside": optax.MultiSteps(clipped, k),
+    f"{ms}, around it": outside,
+  })  # fmt: skip
+  why = "clips each micro-batch; the schedule counts micro-batches"
+  case3[f"{ms}, around it"] = case3[f"{ms}, around it"]._replace(differs_because=why)
+  full = [{**w, "mask": np.ones(len(w["y"]), np.float32)} for w in windows]
   return [
     Case(
-      "Equal micro-batches, a mean loss: the usual case, where every tool matches the big batch.",
-      _runs(args, windows, loss_fn, adam, {multisteps: (optax.MultiSteps(adam, k), None)}),
+      "Every row real (equal micro-batches), the loss the mean over the window's rows: the"
+      " usual case, where every tool matches the big batch.",
+      full, tokens,
     ),
     Case(
-      f"Uneven tokens: micro-batch i has n_i real rows (n_i drawn from 1 to {b}, the rest"
-      " padding) and the loss is the mean over the window's real rows. ga weights each"
-      " micro-batch by its real rows (weight_fn=lambda mb: mb['mask'].sum()); MultiSteps and"
-      " microbatching (MEAN) are given each micro-batch's mean.",
-      _runs(args, padded, token_loss, adam,
-            {multisteps: (optax.MultiSteps(adam, k), mean_of_means)}, mean_of_means),
+      f"Uneven tokens, the same programs: micro-batch i has n_i real rows (n_i drawn from 1 to"
+      f" {b}, the rest padding) and the loss is the mean over the window's real rows. ga weights"
+      " each micro-batch by its real rows (weight_fn=lambda mb: mb['mask'].sum()); MultiSteps"
+      " and microbatching (MEAN) are given each micro-batch's mean.",
+      with_padding(windows, k, args.seed), uneven,
     ),
     Case(
       f"Clipping (global norm {clip:g}) and a learning-rate schedule (warm-up over {warmup}"
       " windows, then a cosine). ga and MultiSteps take both inside the inner optimizer;"
       " MultiSteps also as they are often added, around it (optax.chain(clip, ...),"
       " optax.inject_hyperparams); microbatching's mean gradient goes through the same chain.",
-      _runs(args, windows, loss_fn, clipped, {
-        f"{multisteps}, inside": (optax.MultiSteps(clipped, k), None),
-        f"{multisteps}, around it": (outside, "clips each micro-batch; the schedule counts micro-batches"),
-      }),
+      windows, case3,
     ),
   ]  # fmt: skip
 
 
-def real_rows(microbatch):
-  """Case 2's ``weight_fn``: the micro-batch's real (not padding) rows, its tokens."""
-  return microbatch["mask"].sum()
-
-
-def _runs(args, windows, loss, inner, multisteps, mean_of_means=None):
-  """The reference, ga, the given MultiSteps runs (one call per micro-batch; name: (optimizer,
-  why it may differ)) and optax.microbatching, on these windows."""
+def _runs(args, loss, inner, multisteps):
+  """The reference, ga, the given MultiSteps runs (one call per micro-batch; name: optimizer)
+  and optax.microbatching, with ``loss`` (ga weights micro-batches by ``real_rows`` where the
+  loss is a token mean)."""
   k, b = args.k, args.microbatch_size
-  weighted = "mask" in windows[0]
-  micro = [[{n: a[i::k] for n, a in w.items()} for i in range(k)] for w in windows]  # ga's rows
-  whole, micro = jax.device_put(([[w] for w in windows], micro))
   tx = ga.accumulate(inner, k)
-  weight_fn = real_rows if weighted else None
+  weighted = loss is token_loss
+  suffix = ", weight_fn" if weighted else ""
   runs = {
     f"plain batch of {k * b}" + (", token mean" if weighted else ""): Run(
-      _optax_step(inner, loss), inner, whole
+      _optax_step(inner, loss), inner, True
     ),
-    f"ga.train_step {k} x {b}" + (", weight_fn" if weighted else ""): Run(
-      ga.train_step(loss, tx, has_aux=True, weight_fn=weight_fn), tx, whole
+    f"ga.train_step {k} x {b}{suffix}": Run(
+      ga.train_step(loss, tx, has_aux=True, weight_fn=real_rows if weighted else None), tx, True
     ),
   }
-  for name, (ms, why) in multisteps.items():
-    runs[name] = Run(_optax_step(ms, loss), ms, micro, why)
-  mb_step = _optax_step(inner, loss, microbatch_size=b)
-  runs[f"optax.microbatching {k} x {b}"] = Run(mb_step, inner, whole, mean_of_means)
+  for name, ms in multisteps.items():
+    runs[name] = Run(_optax_step(ms, loss), ms, False)
+  runs[f"optax.microbatching {k} x {b}"] = Run(
+    _optax_step(inner, loss, microbatch_size=b), inner, True
+  )
   return runs
 
 
@@ -269,47 +282,58 @@ def _flat(params):
   return np.concatenate([np.asarray(leaf, np.float64).ravel() for leaf in jax.tree.leaves(params)])
 
 
-def _run(run: Run, params, bar, reference=None) -> Result:
-  """``run.step`` compiled, then timed on each window's batches. After each window, the flat
-  params (the reference's run, ``reference`` None) or their distance to ``reference``'s after
-  the same window, over the distance the reference had moved from the start."""
+def _norm(v):
+  """The L2 norm without BLAS, whose threads would spin against XLA's on a small machine."""
+  return math.sqrt(float(np.sum(np.square(v))))
+
+
+def _run(run: Run, batches, params, bar, reference=None) -> Result:
+  """``run.step`` on each window's ``batches`` (the first window also compiles it: the time
+  is the median of the others). After each window, the flat params (the reference's run,
+  ``reference`` None) or their distance to ``reference``'s after the same window, over the
+  distance the reference had moved from the start."""
   state = run.tx.init(params)
-  compiled = run.step.lower(params, state, run.windows[0][0]).compile()
   start_flat, losses, times, track = _flat(params), [], [], []
-  for t, batches in enumerate(bar(run.windows)):
-    start, window = time.perf_counter(), []
-    for batch in batches:  # the window's loss: the mean of its calls' (case 1's plot)
-      params, state, metrics = compiled(params, state, batch)
-      window.append(metrics["loss"])
+  for t, window in enumerate(bar(batches)):
+    start, window_losses = time.perf_counter(), []
+    for batch in window:  # the window's loss: the mean of its calls' (case 1's plot)
+      params, state, metrics = run.step(params, state, batch)
+      window_losses.append(metrics["loss"])
     jax.block_until_ready(params)
     times.append(time.perf_counter() - start)
-    losses.append(float(np.mean([float(loss) for loss in window])))
+    losses.append(float(np.mean([float(loss) for loss in window_losses])))
     flat = _flat(params)
     if reference is None:
       track.append(flat)
     else:
-      moved = max(float(np.linalg.norm(reference[t] - start_flat)), np.finfo(np.float32).tiny)
-      track.append(float(np.linalg.norm(flat - reference[t])) / moved)
+      moved = max(_norm(reference[t] - start_flat), np.finfo(np.float32).tiny)
+      track.append(_norm(flat - reference[t]) / moved)
   return Result(params, losses, 1e3 * float(np.median(times[1:] or times)), track)
 
 
-def _run_case(number, case, params0, bar, data):
+def _run_case(number, case, args, params0, bar, data):
   """Every run of ``case`` from ``params0``, a table of each one's final train loss, test
-  accuracy and time, and ``(number, name, Result, differs_because)`` of each but the first."""
-  train, test = jax.device_put(({"x": data[0], "y": data[1]}, {"x": data[2], "y": data[3]}))
-  evaluate = jax.jit(loss_fn)  # two programs (train and test set), not one per operation
+  accuracy and time, and ``(number, name, Result, differs_because)`` of each but the first.
+  ``data``: the train rows then the test rows, and how many are train rows."""
+  k = args.k
+  whole = jax.device_put([[w] for w in case.windows])
+  micro = jax.device_put(
+    [[{n: a[i::k] for n, a in w.items()} for i in range(k)] for w in case.windows]
+  )
+  rows, n_train = data
   print("| run | final train loss | test accuracy | ms / window (median) |\n|---|---|---|---|")
   ref, found = None, []
   for name, run in case.runs.items():
-    result = _run(run, params0, functools.partial(bar, desc=name), ref and ref.track)
+    batches = whole if run.whole else micro
+    result = _run(run, batches, params0, functools.partial(bar, desc=name), ref and ref.track)
     if ref is None:
       ref = result
       if number == 1:  # its losses: the plot
         found.append((number, name, result._replace(track=None), None))
     else:
       found.append((number, name, result, run.differs_because))
-    train_loss = float(evaluate(result.params, train)[0])
-    test_acc = float(evaluate(result.params, test)[1]["accuracy"])
+    losses, hits = (np.asarray(a) for a in row_losses(result.params, rows))
+    train_loss, test_acc = float(np.mean(losses[:n_train])), float(np.mean(hits[n_train:]))
     print(f"| {name} | {train_loss:.4f} | {test_acc:.4f} | {result.ms:.2f} |")
   return found
 
@@ -342,10 +366,11 @@ def _report(found, steps) -> bool:
 
 def _plot(found, args: argparse.Namespace, plt) -> str:
   """Case 1's window losses, and every run's difference to the big batch after each update,
-  on log scales, saved as ``<args.out>/loss_curves.png``."""
+  on log scales, saved as ``<args.out>/loss_curves.png``. The second panel's legend sits
+  beside it, clear of the curves."""
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "loss_curves.png")
-  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=110)
+  fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.6), dpi=110, width_ratios=(1, 1.1))
   updates = range(1, args.steps + 1)
   styles = [
     {"lw": 5, "alpha": 0.3, "color": "0.4"},
@@ -357,8 +382,9 @@ def _plot(found, args: argparse.Namespace, plt) -> str:
   for (name, result), style in zip(case1, itertools.cycle(styles)):
     left.plot(updates, result.losses, label=name, **style)
   k, b = args.k, args.microbatch_size
-  left.set_title(f"1. equal micro-batches: training loss\nadam lr={args.lr:g}, {k * b} = {k} x {b}")
+  left.set_title(f"1. every row real: training loss\nadam lr={args.lr:g}, {k * b} = {k} x {b}")
   left.set(yscale="log", xlabel="optimizer update (window)", ylabel="training loss of the window")
+  left.legend(fontsize=7, loc="upper right")
   floor = 1e-9  # a difference of exactly 0 drawn at the floor
   for number, name, result, _ in found:
     if result.track is not None:
@@ -368,9 +394,9 @@ def _plot(found, args: argparse.Namespace, plt) -> str:
   right.axhline(TOLERANCE, color="0.5", lw=0.8, label=f"tolerance {TOLERANCE:g}")
   right.set_title("difference to the plain big batch's params\n(over the distance it moved them)")
   right.set(yscale="log", xlabel="optimizer update (window)", ylabel="relative difference")
+  right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
   for ax in (left, right):
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, bbox_inches="tight")
   plt.close(fig)
