@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -184,6 +183,18 @@ class Fp8:
     return w._replace(sums=sums, aux_like=aux_like, reducers=reducers, overwrite=new)
 
 
+def _in_place_refs(acc, weighting, batch, k, num, vary) -> tuple[Any, jax.Array | None]:
+  """``(Refs holding acc, the seed's normalizer)`` for backward passes that add into them;
+  weighted, the Refs hold ``acc / norm`` and micro-batch i's seed is ``w_i / norm``
+  (:func:`seed_unit`: the whole batch's scale); unweighted, ``acc`` and None (seeds of 1)."""
+  norm = None
+  if weighting.weighted:
+    devices = jax.lax.psum(1, vary) if vary else 1
+    norm = seed_unit(window_weight(weighting, batch, k, num), devices)
+  inverse = None if norm is None else 1 / norm
+  return jax.tree.map(lambda a: jax.new_ref(_scaled(a, inverse)), acc), norm
+
+
 def _scaled(x: jax.Array, factor: jax.Array | None) -> jax.Array:
   """``x * factor`` in ``x``'s dtype; ``x`` itself for no factor (an unweighted window)."""
   return x if factor is None else x * factor.astype(x.dtype)
@@ -299,9 +310,7 @@ class MicrobatchedGrad:
     grad_fn = jax.value_and_grad(self.options.objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
-    sums_unit = self._sums_unit()
-    if per_micro is not None:
-      sums_unit = per_micro.wrap(sums_unit)
+    sums_unit = self._sums_unit() if per_micro is None else per_micro.wrap(self._sums_unit())
     model_unit = Off(None)
     if opts.has_state:
       model_unit = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
@@ -314,9 +323,7 @@ class MicrobatchedGrad:
       w = opts.weighting.of(mb)
       if refs is not None:  # added in place: the units see no gradient
         seed = None if norm is None else w / norm
-        loss, aux, new_state = _add_into(
-          self.options.objective, refs, p, start, mb, key, scale, seed
-        )
+        loss, aux, new_state = _add_into(opts.objective, refs, p, start, mb, key, scale, seed)
         return Micro(loss, aux, (), w, new_state)
       seed = scale if fp8 is None else fp8.seed(w, scale)
       with jax.named_scope(CARRIED_SCOPE + (why or "")):  # ga.inspect_step reads why
@@ -327,8 +334,7 @@ class MicrobatchedGrad:
 
     why = None
     if vary:  # inside the step's shard_map over the data axes
-      mb0, key0 = microbatch(batch, 0, k), None if rng is None else jax.random.fold_in(rng, 0)
-      loss0 = functools.partial(opts.objective, params, model_state, mb0, key0, scale)
+      loss0 = lambda: opts.objective(params, model_state, microbatch(batch, 0, k), rng, scale)  # noqa: E731
       refuse_nested_shard_map(loss0, vary, opts.where)
     like = jax.eval_shape(one, 0, model_state)
 
@@ -341,12 +347,8 @@ class MicrobatchedGrad:
       init = to_varying(init, vary)
     refs = norm = None
     why = carried or self.carried_because(params, acc_init, per_micro, like.loss)
-    if why is None:  # the gradients added into Refs, weighted: seeded at the whole batch's scale
-      if opts.weighting.weighted:
-        devices = jax.lax.psum(1, vary) if vary else 1
-        norm = seed_unit(window_weight(opts.weighting, batch, k, num), devices)
-      inverse = None if norm is None else 1 / norm
-      refs = jax.tree.map(lambda a: jax.new_ref(_scaled(a, inverse)), init.sums.grads)
+    if why is None:  # the gradients added into Refs
+      refs, norm = _in_place_refs(init.sums.grads, opts.weighting, batch, k, num, vary)
       init = init._replace(sums=init.sums._replace(grads=()))
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
