@@ -334,7 +334,8 @@ class MicrobatchedGrad:
 
     why = None
     if vary:  # inside the step's shard_map over the data axes
-      loss0 = lambda: opts.objective(params, model_state, microbatch(batch, 0, k), rng, scale)  # noqa: E731
+      p0 = params if per_micro is None else per_micro.gather(params, 0)
+      loss0 = lambda: opts.objective(p0, model_state, microbatch(batch, 0, k), rng, scale)  # noqa: E731
       refuse_nested_shard_map(loss0, vary, opts.where)
     like = jax.eval_shape(one, 0, model_state)
 
