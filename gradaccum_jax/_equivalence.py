@@ -412,8 +412,8 @@ def check_step(
     >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.ones(8)}
     >>> tx, w = ga.accumulate(optax.adam(0.1), 4), jnp.zeros(3)
     >>> result = ga.check_step(ga.train_step(loss, tx), loss, optax.adam(0.1), w, tx.init(w), batch)
-    >>> result.ok, result.max_rel_grad_error < 1e-5
-    (True, True)
+    >>> isinstance(result, ga.StepCheck), result.ok, result.max_rel_grad_error < 1e-5
+    (True, True, True)
   """
   for name, fn in (("step", step), ("loss_fn", loss_fn)):
     if not callable(fn):
