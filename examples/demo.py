@@ -1,8 +1,9 @@
 """Train a small MLP on scikit-learn's digits with a plain big batch, ga.train_step,
 optax.MultiSteps and optax.microbatching, from the same start on the same batches, in three
-cases: every row real with a token-mean loss (where all of them match the big batch), the same
-programs on windows with uneven token counts, and clipping with a warm-up schedule. Prints how
-far each tool's updates are from the big batch's, and plots it.
+cases: every row real, with a token-mean loss and clipping and a warm-up schedule inside the
+optimizer (where all of them match the big batch); the same programs on windows with uneven
+token counts; clipping and the schedule around optax.MultiSteps. Prints how far each tool's
+updates are from the big batch's, and plots it.
 
 From a clone, after pip install -e ".[examples]": python examples/demo.py"""
 
@@ -72,14 +73,9 @@ def row_losses(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), hits
 
 
-def loss_fn(params, batch):
-  """The mean cross-entropy of the batch's rows, and their accuracy."""
-  losses, hits = row_losses(params, batch)
-  return losses.mean(), {"accuracy": jnp.mean(hits)}
-
-
 def token_loss(params, batch):
-  """The mean cross-entropy of the batch's real rows (``mask`` 1; padding is 0): a token mean."""
+  """The mean cross-entropy of the batch's real rows (``mask`` 1; padding is 0): a token mean,
+  and the accuracy of all its rows."""
   losses, hits = row_losses(params, batch)
   tokens = jnp.maximum(batch["mask"].sum(), 1.0)
   return jnp.sum(losses * batch["mask"]) / tokens, {"accuracy": jnp.mean(hits)}
@@ -140,7 +136,7 @@ def _parse(argv):
     ("--k", pos_int, 8, "micro-batches per update (default 8)"),
     ("--microbatch-size", pos_int, 32, "rows per micro-batch b (default 32)"),
     ("--steps", pos_int, 100, "optimizer updates (default 100)"),
-    ("--lr", pos_float, 1e-3, "adam learning rate, > 0 (default 1e-3)"),
+    ("--lr", pos_float, 1e-3, "adam's peak learning rate, > 0 (default 1e-3)"),
     ("--hidden", pos_int, 128, "hidden width (default 128)"),
     ("--seed", int, 0, "seed of the initialization, split and batch order (default 0)"),
     ("--out", str, "demo_out", "folder for the plot (default demo_out/)"),
@@ -185,38 +181,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cases(args, windows) -> list[Case]:
-  """The three cases, each a reference (the plain step on the whole window) and the tools.
-  Cases 1 and 2 run the same programs (one compile each), on windows without and with padding."""
+  """The three cases, each a reference (the plain step on the whole window) and the tools. One
+  loss (a token mean) and one optimizer (clipping, then adam on a warm-up and cosine schedule)
+  throughout: five programs, each compiled once, however many cases run it."""
   k, b, lr = args.k, args.microbatch_size, args.lr
-  clip = 1.0  # the global norm of case 3 (the digits MLP's gradients start at norms 3 to 5)
-  # The schedule of case 3: warm-up from lr / 10 to lr, then a cosine back to lr / 10.
+  clip = 1.0  # the global norm (the digits MLP's gradients start at norms 3 to 5)
+  # The schedule: warm-up from lr / 10 to lr, then a cosine back to lr / 10.
   warmup = max(1, args.steps // 10)
   decay = max(args.steps, 2 * warmup)
   schedule = optax.warmup_cosine_decay_schedule(lr / 10, lr, warmup, decay, end_value=lr / 10)
-  adam, clipped = optax.adam(lr), optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
-  outside = optax.chain(  # clipping and the schedule wrapped around MultiSteps
+  inner = optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
+  around = optax.chain(  # clipping and the schedule wrapped around MultiSteps, as often added
     optax.clip_by_global_norm(clip),
     optax.inject_hyperparams(
       lambda learning_rate: optax.MultiSteps(optax.adam(learning_rate), k).gradient_transformation()
     )(learning_rate=schedule),
   )
-  ms = f"optax.MultiSteps {k} x {b}"
-  tokens = _runs(args, token_loss, adam, {ms: optax.MultiSteps(adam, k)})
+  tx, multisteps = ga.accumulate(inner, k), optax.MultiSteps(inner, k)
+  ms, plain = f"optax.MultiSteps {k} x {b}", f"plain batch of {k * b}"
+  runs = {
+    plain: Run(_optax_step(inner, token_loss), inner, True),
+    f"ga.train_step {k} x {b}, weight_fn": Run(
+      ga.train_step(token_loss, tx, has_aux=True, weight_fn=real_rows), tx, True
+    ),
+    ms: Run(_optax_step(multisteps, token_loss), multisteps, False),
+    f"optax.microbatching {k} x {b}": Run(
+      _optax_step(inner, token_loss, microbatch_size=b), inner, True
+    ),
+  }
   mean_of_means = "a mean of per-micro-batch means, not the token mean"
   uneven = {n: r._replace(differs_because=mean_of_means) if n.startswith("optax") else r
-            for n, r in tokens.items()}  # fmt: skip
-  case3 = _runs(args, loss_fn, clipped, {
-    f"{ms}, inside": optax.MultiSteps(clipped, k),
-    f"{ms}, around it": outside,
-  })  # fmt: skip
+            for n, r in runs.items()}  # fmt: skip
   why = "clips each micro-batch; the schedule counts micro-batches"
-  case3[f"{ms}, around it"] = case3[f"{ms}, around it"]._replace(differs_because=why)
+  outside = {plain: runs[plain], f"{ms}, around it": Run(_optax_step(around, token_loss), around, False, why)}  # fmt: skip
   full = [{**w, "mask": np.ones(len(w["y"]), np.float32)} for w in windows]
   return [
     Case(
-      "Every row real (equal micro-batches), the loss the mean over the window's rows: the"
-      " usual case, where every tool matches the big batch.",
-      full, tokens,
+      f"Every row real (equal micro-batches), the loss the mean over the window's rows,"
+      f" clipping (global norm {clip:g}) and a learning-rate schedule (warm-up over {warmup}"
+      " windows, then a cosine) inside the inner optimizer: the usual case, where every tool"
+      " matches the big batch.",
+      full, runs,
     ),
     Case(
       f"Uneven tokens, the same programs: micro-batch i has n_i real rows (n_i drawn from 1 to"
@@ -226,37 +231,11 @@ def _cases(args, windows) -> list[Case]:
       with_padding(windows, k, args.seed), uneven,
     ),
     Case(
-      f"Clipping (global norm {clip:g}) and a learning-rate schedule (warm-up over {warmup}"
-      " windows, then a cosine). ga and MultiSteps take both inside the inner optimizer;"
-      " MultiSteps also as they are often added, around it (optax.chain(clip, ...),"
-      " optax.inject_hyperparams); microbatching's mean gradient goes through the same chain.",
-      windows, case3,
+      "Case 1's windows, with clipping and the schedule around MultiSteps, as they are often"
+      " added (optax.chain(clip, ...), optax.inject_hyperparams), not inside its inner optimizer.",
+      full, outside,
     ),
   ]  # fmt: skip
-
-
-def _runs(args, loss, inner, multisteps):
-  """The reference, ga, the given MultiSteps runs (one call per micro-batch; name: optimizer)
-  and optax.microbatching, with ``loss`` (ga weights micro-batches by ``real_rows`` where the
-  loss is a token mean)."""
-  k, b = args.k, args.microbatch_size
-  tx = ga.accumulate(inner, k)
-  weighted = loss is token_loss
-  suffix = ", weight_fn" if weighted else ""
-  runs = {
-    f"plain batch of {k * b}" + (", token mean" if weighted else ""): Run(
-      _optax_step(inner, loss), inner, True
-    ),
-    f"ga.train_step {k} x {b}{suffix}": Run(
-      ga.train_step(loss, tx, has_aux=True, weight_fn=real_rows if weighted else None), tx, True
-    ),
-  }
-  for name, ms in multisteps.items():
-    runs[name] = Run(_optax_step(ms, loss), ms, False)
-  runs[f"optax.microbatching {k} x {b}"] = Run(
-    _optax_step(inner, loss, microbatch_size=b), inner, True
-  )
-  return runs
 
 
 def _optax_step(tx, loss, microbatch_size=None):
@@ -382,7 +361,9 @@ def _plot(found, args: argparse.Namespace, plt) -> str:
   for (name, result), style in zip(case1, itertools.cycle(styles)):
     left.plot(updates, result.losses, label=name, **style)
   k, b = args.k, args.microbatch_size
-  left.set_title(f"1. every row real: training loss\nadam lr={args.lr:g}, {k * b} = {k} x {b}")
+  left.set_title(
+    f"1. every row real: training loss\nclipped adam, warm-up to lr={args.lr:g}, {k * b} = {k} x {b}"
+  )
   left.set(yscale="log", xlabel="optimizer update (window)", ylabel="training loss of the window")
   left.legend(fontsize=7, loc="upper right")
   floor = 1e-9  # a difference of exactly 0 drawn at the floor

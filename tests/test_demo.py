@@ -50,8 +50,8 @@ def difference_rows(out):
 @pytest.mark.slow
 def test_demo_script_shows_where_the_usual_tools_differ(tmp_path):
   """``python examples/demo.py``, as the README's first command runs it (small sizes): every
-  run that should equal the big batch does, the three that differ by design differ, and the
-  plot is written."""
+  run that should equal the big batch does (with clipping and the schedule inside the optimizer,
+  uneven tokens weighted), the three that differ by design differ, and the plot is written."""
   argv = ["--steps", "3", "--k", "4", "--microbatch-size", "8", "--hidden", "16", "--quiet"]
   proc = subprocess.run(
     [sys.executable, str(DEMO), *argv, "--out", str(tmp_path)],
@@ -60,8 +60,7 @@ def test_demo_script_shows_where_the_usual_tools_differ(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = proc.stdout
   assert "| run | final train loss | test accuracy | ms / window (median) |\n" in out
-  for reference in ("| plain batch of 32, token mean |", "| plain batch of 32 |"):
-    assert reference in out
+  assert out.count("| plain batch of 32 |") == 3  # each case's reference
   rows = difference_rows(out)
   ms, mb = "optax.MultiSteps 4 x 8", "optax.microbatching 4 x 8"
   should_agree = [
@@ -69,9 +68,6 @@ def test_demo_script_shows_where_the_usual_tools_differ(tmp_path):
     (1, ms),
     (1, mb),
     (2, "ga.train_step 4 x 8, weight_fn"),
-    (3, "ga.train_step 4 x 8"),
-    (3, f"{ms}, inside"),
-    (3, mb),
   ]
   should_differ = [(2, ms), (2, mb), (3, f"{ms}, around it")]
   assert sorted(rows) == sorted(should_agree + should_differ)
