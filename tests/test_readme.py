@@ -93,11 +93,12 @@ def test_set_up_keeps_the_two_commands_and_no_maintainer_detail():
   setup = section("Set up")
   commands = re.findall(r"```bash\n(.*?)\n```", setup, re.S)
   assert commands == [
-    'python -m venv .venv && . .venv/bin/activate && pip install -e ".[examples]" && python -m gradaccum_jax',
+    'python -m venv .venv && . .venv/bin/activate && pip install -e ".[examples]" && python examples/demo.py',
     'python -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && python -m pytest -n 2',
   ]
   assert not re.search(r"\d+ tests|\d+ min|resolves|not slow", setup), setup
   assert "docs/development.md" in setup
+  assert (README.parent / "examples" / "demo.py").is_file()  # the demo, outside the package
 
 
 def test_every_docs_page_is_in_the_documentation_list():
