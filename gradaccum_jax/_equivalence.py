@@ -455,7 +455,8 @@ _HOW = (
   "check_step calls the step as you pass its arguments: check_step(step, loss_fn, inner_tx,"
   " params, opt_state, batch) for ga.train_step or your own step(params, opt_state, batch),"
   " (..., train_state, batch) for ga.linen_train_step, (..., model, optimizer, batch) for"
-  " ga.nnx_train_step."
+  " ga.nnx_train_step, (..., params, state, batch) with the window's whole batch for a"
+  " ga.micro_step."
 )
 
 
@@ -469,6 +470,8 @@ def _run_window(step, loss_fn, params, opt_state, batch) -> _Window:
     if batch is not None and opt_state is not None:
       raise TypeError(f"A TrainState's step takes (train_state, batch): {_HOW}")
     batch = opt_state if batch is None else batch
+    if batch is None:
+      raise TypeError(f"batch is missing: {_HOW}")
     _refuse_open_window(params.opt_state)
     host = _host((params.params, params.opt_state, batch))
     out = _call(step, params, batch)
@@ -492,11 +495,13 @@ def _run_window(step, loss_fn, params, opt_state, batch) -> _Window:
 def _run_nnx(nnx, step, loss_fn, model, optimizer, batch) -> _Window:
   """An NNX step on a copy of the model and optimizer; the reference's loss on the trained
   variables (``optimizer.wrt``), the rest of the model held."""
-  if not isinstance(optimizer, nnx.Optimizer) or batch is None:
+  if not isinstance(optimizer, nnx.Optimizer):
     raise TypeError(
       f"An NNX model's step takes (model, optimizer, batch), the optimizer an nnx.Optimizer"
       f"(model, ga.accumulate(inner, k), wrt=nnx.Param), got {type(optimizer).__name__}: {_HOW}"
     )
+  if batch is None:
+    raise TypeError(f"batch is missing: {_HOW}")
   graphdef, params, rest = nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)
   rest, state = nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state)
   _refuse_open_window(state)
@@ -566,10 +571,9 @@ def _refuse_open_window(state) -> None:
   ga = _ga_state(state)
   if ga is not None and int(np.asarray(ga.micro_step)) != 0:
     raise ValueError(
-      f"opt_state holds an open window ({int(np.asarray(ga.micro_step))} micro-batches"
-      " accumulated), which the step would add to this batch's: check_step compares one whole"
-      " window with the whole batch. Pass a state at a window's start (tx.init(params), or one"
-      " a closing call returned)."
+      f"opt_state holds an open window (micro_step={int(np.asarray(ga.micro_step))}), whose sums"
+      " the step would add to this batch's: check_step compares one whole window with the whole"
+      " batch. Pass a state at a window's start (tx.init(params), or one a closing call returned)."
     )
 
 
@@ -599,9 +603,10 @@ class _Reference(NamedTuple):
 
 
 def _whole_batch(window: _Window, inner_tx, has_aux, inner_state, rtol) -> _Reference:
-  """The whole batch's gradient and ``inner_tx``'s update of it (with ``value=`` and ``grad=``
-  as ``ga`` passes them), and its update at ``g ± rtol max|g| r`` (random signs ``r``): what it
-  makes of a gradient within ``rtol``; its update at ``2 g`` and ``g / 2``, state at ``-g``, 0."""
+  """The whole batch's gradient, and ``inner_tx``'s update and state at it (``value=`` and
+  ``grad=`` passed as ``ga`` passes them); its updates at ``g ± rtol max|g| r`` (random signs
+  ``r``: what it makes of a gradient within ``rtol``), at ``2 g`` and ``g / 2`` (is it ``c g``?),
+  and its states at ``-g`` and ``0`` (which of their trees are odd in ``g``)."""
   tx = optax.with_extra_args_support(inner_tx)
   p, s, b = jax.device_put((window.params, inner_state, window.batch), jax.devices()[0])
 

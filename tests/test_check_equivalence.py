@@ -337,6 +337,13 @@ def test_check_step_has_no_false_alarm_for_adam_on_a_zero_gradient_leaf():
   assert set(result.grad_rel) == set(result.max_rel) and "mu" in result.compared
   text = str(result)
   assert "~ optimizer noise" in text and "NOT" not in text and "<- differs" not in text
+  # The same step against another learning rate: the gradients agree, the updates do not.
+  tx = ga.accumulate(ADAM, K)
+  step = ga.train_step(shifted_xent, tx)
+  other = ga.check_step(step, shifted_xent, optax.adam(2e-3), SHIFTED, tx.init(SHIFTED), CLS_BATCH)
+  assert not other.ok and other.max_rel_grad_error <= 1e-5, str(other)
+  assert other.reason.startswith("the update differs by more than inner_tx makes of a gradient")
+  np.testing.assert_allclose(other.max_rel["['w1']"], 0.5, rtol=1e-3)  # lr against 2 lr
   # SGD reads the gradient from its update (-lr times it): the same verdict, the same errors.
   sgd = fused(optax.sgd(0.1))
   assert sgd.ok and "-0.1 times the gradient" in sgd.compared, str(sgd)
@@ -557,7 +564,7 @@ def test_check_step_refuses_what_it_cannot_check_and_says_what_to_pass():
   with pytest.raises(TypeError, match=r"batch is missing: check_step calls the step as you pass"):
     ga.check_step(step, shifted_xent, inner, SHIFTED, tx.init(SHIFTED))
   _, inside = tx.update(SHIFTED, tx.init(SHIFTED), SHIFTED)  # one micro-batch of K
-  with pytest.raises(ValueError, match=r"open window \(1 micro-batches accumulated\)"):
+  with pytest.raises(ValueError, match=r"open window \(micro_step=1\), whose sums"):
     ga.check_step(step, shifted_xent, inner, SHIFTED, inside, CLS_BATCH)
 
 
