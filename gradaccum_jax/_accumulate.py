@@ -106,9 +106,12 @@ class MicroStepState(NamedTuple):
     totals (the device slots summed)."""
     if name not in AccumulateState._fields:
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-    # Only the sums have device slots: the counters are read without totalling them.
-    state = slot_totals(self) if name in _SLOTTED else self.accumulate
-    return getattr(state, name)
+    value = getattr(self.accumulate, name)
+    if name not in _SLOTTED or jnp.ndim(self.accumulate.acc_weight) == 0:
+      return value  # the counters, or sums without device slots: nothing is totalled
+    if name == "noise_scale":  # only this field's slots are totalled, not the accumulator's
+      return with_sums(value, jax.tree.map(lambda x: jnp.sum(x, axis=0), open_sums(value)))
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), value)
 
   @property
   def count(self) -> jax.Array:  # else tuple.count
@@ -527,11 +530,17 @@ class Accumulate(optax.GradientTransformationExtraArgs):
   settings are attributes (``num_microbatches``, ``inner``, ``accum_dtype``,
   ``skip_nonfinite``, ``loss_scale``, ``noise_scale_ema``)."""
 
-  __slots__ = ()
+  # A NamedTuple (init, update), as optax's; the settings ride beside its two fields.
+  settings: Accumulator
 
-  @property
-  def settings(self) -> Accumulator:
-    return self.update.__self__
+  def __new__(cls, init: Any, update: Any, settings: Accumulator | None = None) -> Accumulate:
+    tx = super().__new__(cls, init, update)
+    # A copy rebuilt from the two fields alone (jax.tree.map, copy) gets them from ``update``.
+    tx.settings = update.__self__ if settings is None else settings
+    return tx
+
+  def __getnewargs__(self) -> tuple[Any, Any, Accumulator]:  # copy and pickle keep the settings
+    return (self.init, self.update, self.settings)
 
   num_microbatches = property(lambda self: self.settings.num_microbatches)
   inner = property(lambda self: self.settings.inner)
@@ -618,7 +627,7 @@ def accumulate(
     loss_scale=loss_scale,
     noise_scale_ema=noise_scale_ema,
   )
-  return Accumulate(acc.init, acc.update)
+  return Accumulate(acc.init, acc.update, acc)
 
 
 def as_accumulate(tx: Any, what: str = "tx") -> Accumulate:

@@ -470,6 +470,49 @@ def test_the_returned_state_answers_every_accumulate_state_field(layout):
     state.acc  # noqa: B018
 
 
+def test_reading_a_field_totals_only_that_field_s_device_slots():
+  """On a mesh, ``state.acc_weight``, ``state.noise_scale`` and the counters read no part of the
+  accumulator (``acc_grads``'s slots are summed only when it is read); each total equals the
+  slots summed by hand."""
+  mesh = mesh_1d()
+  tx = ga.accumulate(optax.sgd(1.0), 3, noise_scale_ema=0.9)
+  step = ga.micro_step(linear_loss, tx, mesh=mesh)
+  w, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+  for c in (1.0, 2.0):
+    w, state, _ = step(w, state, put(dict(x=jnp.full((D, 2), c)), mesh, P("data")))
+  acc = state.accumulate
+  assert acc.acc_weight.shape == (D,)  # the device slots
+
+  def sums_in(read):  # the reductions a read of the state traces, by operand shape
+    eqns = jax.make_jaxpr(read)(state).eqns
+    return sorted(tuple(e.invars[0].aval.shape) for e in eqns if e.primitive.name == "reduce_sum")
+
+  assert sums_in(lambda s: s.acc_weight) == [(D,)]
+  assert sums_in(lambda s: s.count) == sums_in(lambda s: s.inner_state) == []
+  assert (D, 2) not in sums_in(lambda s: s.noise_scale)
+  assert sums_in(lambda s: s.acc_grads) == [(D, 2)]
+  np.testing.assert_array_equal(state.acc_weight, np.sum(np.asarray(acc.acc_weight), axis=0))
+  np.testing.assert_array_equal(state.acc_grads, np.sum(np.asarray(acc.acc_grads), axis=0))
+  np.testing.assert_array_equal(
+    state.noise_scale.sq_sum, np.sum(np.asarray(acc.noise_scale.sq_sum), axis=0)
+  )
+
+
+def test_the_transformation_holds_its_settings_and_copies_keep_them():
+  """``tx.settings`` is stored on the transformation (not read back from ``tx.update``), and a
+  copy keeps the settings and works as the original."""
+  import copy
+
+  tx = ga.accumulate(optax.sgd(0.5), 3, accum_dtype=jnp.bfloat16)
+  assert "settings" in vars(tx) and tx.settings.num_microbatches == 3
+  for twin in (copy.copy(tx), copy.deepcopy(tx)):
+    assert (twin.num_microbatches, twin.accum_dtype) == (3, jnp.bfloat16)
+    state = twin.init(jnp.zeros(2))
+    for _ in range(3):
+      updates, state = twin.update(jnp.ones(2), state, jnp.zeros(2))
+    np.testing.assert_allclose(updates, [-0.5, -0.5])
+
+
 @pytest.mark.parametrize("features", ["plain", "loss_scale_noise_aux"])
 def test_micro_step_reports_the_metrics_of_train_step_in_the_same_dtypes(features):
   """One function builds a closed window's metrics for every mode: micro_step's closing call
