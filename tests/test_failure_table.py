@@ -147,12 +147,65 @@ def nested_shard_map():
   return fused(params=w, loss_fn=loss_fn, mesh=mesh, data_axis="data")
 
 
+def check_open_window():
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  state = tx.init(PARAMS)
+  _, state = tx.update(jax.grad(xent_loss)(PARAMS, BATCH), state, PARAMS)
+  return ga.check_step(
+    ga.train_step(xent_loss, tx), xent_loss, optax.sgd(0.1), PARAMS, state, BATCH
+  )
+
+
+def check_nnx_not_optimizer():
+  from flax import nnx
+
+  model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+
+  def loss(m, mb):
+    return jnp.mean(m(mb["x"]) ** 2)
+
+  return ga.check_step(ga.nnx_train_step(loss), loss, optax.sgd(0.1), model, None, BATCH)
+
+
+def check_train_state_and_opt_state():
+  import flax.linen as nn
+  from flax.training import train_state
+
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  m = nn.Dense(3)
+  v = m.init(jax.random.key(0), BATCH["x"])
+  ts = train_state.TrainState.create(apply_fn=m.apply, params=v["params"], tx=tx)
+
+  def loss(logits, mb):
+    return jnp.mean(logits**2)
+
+  return ga.check_step(ga.linen_train_step(m, loss), loss, optax.sgd(0.1), ts, ts.opt_state, BATCH)
+
+
+def check_micro_step_with_state():
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  step = ga.micro_step(lambda p, s, mb: (xent_loss(p, mb), s), tx, has_state=True)
+  return ga.check_step(step, xent_loss, optax.sgd(0.1), PARAMS, tx.init(PARAMS), BATCH)
+
+
+def check_without_batch():
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  return ga.check_step(
+    ga.train_step(xent_loss, tx), xent_loss, optax.sgd(0.1), PARAMS, tx.init(PARAMS)
+  )
+
+
 TRIGGERS = {
   "Flax's fp8 collection in `ga.micro_step`'s params": lambda: fp8_refused("micro_step"),
   "Flax's fp8 collection in `tx.update`'s grads": lambda: fp8_refused("tx.update"),
   'fp8 variables with another collection beside `"params"`': lambda: fp8_refused("train_step"),
   "an unknown reducer in `aux_reduce`": lambda: aux_reduce({"n": "sum", "m": "maximum"}),
-  "`aux_reduce` that is not a pytree prefix of the aux": lambda: aux_reduce({"max": "max"}),
+  "a key in an `aux_reduce` dict that the aux does not have (keys left out keep the default)": lambda: (
+    aux_reduce({"max": "max"})
+  ),
+  "`aux_reduce` of another structure than the aux (a tuple for a dict)": lambda: aux_reduce(
+    ("sum", "max")
+  ),
   '`aux_reduce="mean"` for an integer aux leaf': lambda: aux_reduce("mean"),
   "`grads_in_place` that is not True or False": lambda: fused(grads_in_place="yes"),
   "a bfloat16 or float16 accumulator (`accum_dtype`, or the params' dtype with `accum_dtype=None`) with `mesh=`, in any mode that takes it": narrow_on_a_mesh,
@@ -160,6 +213,15 @@ TRIGGERS = {
   "the `ga.accumulate` transformation as `check_step`'s `inner_tx`": lambda: ga.check_step(
     lambda p, s, b: (p,), xent_loss, ga.accumulate(optax.sgd(0.1), K), PARAMS, None, BATCH
   ),
+  "`check_step` on a state inside a window (`micro_step > 0`)": check_open_window,
+  "`check_step` on an NNX model whose second argument is not its `nnx.Optimizer`": (
+    check_nnx_not_optimizer
+  ),
+  "`check_step` on a TrainState with both `opt_state` and `batch` given": (
+    check_train_state_and_opt_state
+  ),
+  "`check_step` on a `ga.micro_step` with `has_state=True`": check_micro_step_with_state,
+  "`check_step` without a batch": check_without_batch,
   "an NNX module with variables other than `nnx.Param` (BatchNorm statistics, `nnx.Rngs`) as a step's params": nnx_module,
   "a step called with `rng=` whose `loss_fn` takes no key": lambda: ga.train_step(
     xent_loss, ga.accumulate(optax.sgd(0.1), K)

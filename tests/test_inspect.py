@@ -238,8 +238,9 @@ def pmean_again(tree):
     ("equal rows, the mean", xent_loss, mean, data(D * 4), optax.sgd(0.1), True),
     ("uneven tokens, mean of means", token_loss, mean, token_batch(D * 2), optax.sgd(0.1), False),
     ("gradient reduced twice", xent_loss, pmean_again, data(D * 4), optax.sgd(0.1), False),
-    # Adam's first update is about lr * sign(g): blind to the gradient's scale (docs/verifying.md).
-    ("reduced twice, adam", xent_loss, pmean_again, data(D * 4), optax.adam(1e-2), True),
+    # Adam's first update is about lr * sign(g), but its first moment holds the gradient itself,
+    # which check_step reads: the scale error is caught.
+    ("reduced twice, adam", xent_loss, pmean_again, data(D * 4), optax.adam(1e-2), False),
   ],
   ids=["mean", "mean_of_means", "reduced_twice", "reduced_twice_adam"],
 )
@@ -285,6 +286,53 @@ def test_a_gradient_reduced_twice_fails_by_d_minus_1_with_sgd_and_by_a_small_mar
     distance[name] = max(result.max_rel.values())
   assert 1e-4 < distance["adam"] < 1e-2, distance
   np.testing.assert_allclose(distance["sgd"], D - 1, rtol=1e-3)
+
+
+def counted_loss(params, batch):
+  """The MLP's loss and integer window statistics beside a float one (an MoE's counts, say)."""
+  logits = batch["x"] @ params["layer0"]["w"] + params["layer0"]["b"]
+  logits = jnp.tanh(logits) @ params["layer1"]["w"] + params["layer1"]["b"]
+  aux = {
+    "per_class": jnp.sum(jax.nn.one_hot(jnp.argmax(logits, -1), 8, dtype=jnp.int32), 0),
+    "rows": jnp.asarray(batch["x"].shape[0], jnp.int32),
+    "max_logit": jnp.max(logits),
+  }
+  return xent_loss(params, batch), aux
+
+
+def test_integer_window_statistics_share_the_one_all_reduce_after_the_loop():
+  """Integer counts beside the float sums: one all-reduce after the loop, of float32 only (the
+  budget of docs/verifying.md holds); a max adds one more, and the over-budget message lists
+  each op's dtypes and says that ops after the loop already run once per window."""
+  sums = {"per_class": "sum", "rows": "sum"}  # the rest: defaults (max_logit a weighted mean)
+  step, args = built(4, loss_fn=counted_loss, has_aux=True, aux_reduce=sums)
+  report = ga.inspect_step(step, *args)
+  assert report.in_loop == {} and report.after_loop == {"all-reduce": 1}, report
+  (op,) = report.collectives
+  assert "s32[" not in op.text.split(" all-reduce")[0], op.text
+  report.check(max_in_loop=0, max_after_loop={"all-reduce": 1, "all-gather": 0})
+  metrics = step(*args)[2]
+  assert (
+    int(metrics["aux"]["rows"]) == D * 4 * 2 and int(jnp.sum(metrics["aux"]["per_class"])) == D * 8
+  )
+
+  step, args = built(4, loss_fn=counted_loss, has_aux=True, aux_reduce={**sums, "max_logit": "max"})
+  report = ga.inspect_step(step, *args)
+  assert report.after_loop == {"all-reduce": 2}, report
+  with pytest.raises(ValueError, match="2 all-reduce outside loops") as err:
+    report.check(max_in_loop=0, max_after_loop={"all-reduce": 1})
+  message = str(err.value)
+  assert "run once per window already" in message and "out of it" not in message, message
+  assert message.count("[f32]") == 2, message  # the sums' and the max's, each named
+
+
+def test_inspect_step_passes_the_packages_own_errors_on_as_they_are():
+  """A bad aux_reduce is the package's error, raised when the step is traced: inspect_step
+  raises it unchanged, not wrapped in advice about the arguments."""
+  step, args = built(2, loss_fn=counted_loss, has_aux=True, aux_reduce={"nope": "sum"})
+  with pytest.raises(ValueError, match="^train_step: aux_reduce names the key 'nope'") as err:
+    ga.inspect_step(step, *args)
+  assert "pass the arguments" not in str(err.value)
 
 
 # --- bad input ---------------------------------------------------------------------------------
