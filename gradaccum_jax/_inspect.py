@@ -188,26 +188,41 @@ class StepReport:
       max_peak_bytes: the most per-device :attr:`peak_bytes`, or None.
 
     Raises:
-      ValueError: listing each collective (where, its bytes) and peak over budget; an unknown kind.
+      ValueError: listing each collective (where, its bytes, its dtypes) and peak over budget,
+        with what to change; an unknown kind.
     """
-    problems = []
+
+    def described(c: Collective) -> str:  # where it is, what it moves and in which dtypes
+      dtypes = dict.fromkeys(re.findall(r"([a-z]+[0-9]*)\[", _OP.match(c.text)[2]))
+      return f"%{c.name} in %{c.computation} ({c.bytes} bytes) [{', '.join(dtypes)}]"
+
+    problems, advice = [], {}
     budgets = (("in a loop", True, max_in_loop), ("outside loops", False, max_after_loop))
     for where, in_loop, value in budgets:
       budget = _budget(value, "max_in_loop" if in_loop else "max_after_loop")
       for kind, count in (self.in_loop if in_loop else self.after_loop).items():
         if budget is not None and count > budget.get(kind, count):
           ops = [c for c in self.collectives if c.kind == kind and c.in_loop == in_loop]
-          listing = ", ".join(f"%{c.name} in %{c.computation} ({c.bytes} bytes)" for c in ops)
+          listing = ", ".join(map(described, ops))
           problems.append(f"{count} {kind} {where} (allowed {budget[kind]}): {listing}")
+          advice[in_loop] = (
+            "move the collectives in a loop out of it (reduce once per window, e.g."
+            " ga.train_step(..., mesh=mesh))"
+            if in_loop
+            else "the ops outside loops run once per window already; an all-reduce has one dtype"
+            " and one reduction, so a step takes one per dtype and reduction it needs (a ga"
+            " step: one for its sums, integer sums carried in its float32, and one more per"
+            " dtype of aux maxima and of minima): raise max_after_loop to the count listed"
+          )
     if max_peak_bytes is not None:
       if self.peak_bytes is None:
         raise ValueError("max_peak_bytes given, but the backend reports no memory analysis.")
       if self.peak_bytes > max_peak_bytes:
         problems.append(f"peak_bytes={self.peak_bytes} > {max_peak_bytes=} ({self._parts()})")
+        advice[None] = "raise max_peak_bytes or hold less (docs/verifying.md)"
     if problems:
       raise ValueError(
-        "The step is over budget; move the collectives out of the loop (reduce once per window,"
-        " e.g. ga.train_step(..., mesh=mesh)) or raise the budget:\n  " + "\n  ".join(problems)
+        f"The step is over budget; {'; '.join(advice.values())}:\n  " + "\n  ".join(problems)
       )
 
   def __repr__(self) -> str:
@@ -259,6 +274,12 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
   try:
     compiled = lower(*args, **kwargs).compile()
   except Exception as e:
+    raised_in = e.__traceback__
+    while raised_in is not None and raised_in.tb_next is not None:
+      raised_in = raised_in.tb_next
+    module = "" if raised_in is None else raised_in.tb_frame.f_globals.get("__name__", "")
+    if module.startswith("gradaccum_jax."):
+      raise  # raised by the package's own checks: it names the value and what to change
     raise ValueError(
       f"inspect_step could not lower and compile step={step!r} on the given arguments"
       f" ({type(e).__name__}: {e}); pass the arguments you call it with (arrays or"

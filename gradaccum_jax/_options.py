@@ -18,7 +18,7 @@ from gradaccum_jax._checks import (
   check_function,
   check_state_like,
 )
-from gradaccum_jax._parts import AUX_REDUCERS, AuxReducers, Weighting
+from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 
 
@@ -164,7 +164,7 @@ def make_options(
   check_batchnorm(batchnorm, batchnorm_momentum, bool(has_state), from_model=momentum_from_model)
   if compute_dtype is not None:
     compute_dtype = check_float_dtype(compute_dtype, "compute_dtype", where)
-  check_aux_reduce(aux_reduce, bool(has_aux), AUX_REDUCERS, where)
+  check_aux_reduce(aux_reduce, bool(has_aux), reducer_names(), where)
   return Options(
     loss=LossSpec(loss_fn, bool(has_aux), bool(has_state)),
     weighting=Weighting(weight_fn),
@@ -176,5 +176,5 @@ def make_options(
     ),
     where=where,
     grads_in_place=check_bool(grads_in_place, f"{where}: grads_in_place"),
-    aux_reduce=AuxReducers(aux_reduce),
+    aux_reduce=AuxReducers(aux_reduce, where),
   )

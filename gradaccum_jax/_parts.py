@@ -226,150 +226,263 @@ class Weighting:
     return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
 
 
-AUX_REDUCERS = ("mean", "sum", "max", "min", "last")
+# Window statistics as data: each aux leaf's reducer is a record of REDUCERS; AuxReducers
+# composes them per leaf, and every stage (the scan, the streaming slots, the mesh reduction,
+# the window's end) calls its verbs. A new statistic is one entry of REDUCERS.
+
+# How partial reductions combine: over the data axes, inside ``shard_map``; over a leading axis
+# of device slots (``ga.micro_step`` on a mesh).
+COLLECTIVES: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+  "sum": (jax.lax.psum, jnp.sum),
+  "max": (jax.lax.pmax, jnp.max),
+  "min": (jax.lax.pmin, jnp.min),
+}
+
+
+def _as_is(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
+  """A device's share: its partial reduction, as it is."""
+  del devices, weighted
+  return acc
+
+
+def _as_returned(total: jax.Array, weight: jax.Array, like: Any) -> jax.Array:
+  """The window's value: the reduction, in ``like``'s dtype if a float (integers as summed)."""
+  del weight
+  return total.astype(jnp.result_type(like)) if is_inexact(like) else total
+
+
+@dataclasses.dataclass(frozen=True)
+class Reducer:
+  """One window statistic of an aux leaf, as data (docs/usage.md, "Window statistics").
+
+  ``start(dtype)``: the value of a window with nothing in it. ``add(acc, x, w, weighted)``: after
+  one micro-batch's ``x`` of weight ``w`` (weighted, one of weight <= 0 is left out).
+  ``merge(acc, more, more_weight)``: two partial windows as one (``more``: later micro-batches
+  of total weight ``more_weight``). On a mesh each device's ``share(acc, devices, weighted)`` is
+  combined by ``collective`` (a name of :data:`COLLECTIVES`), as the device slots of a streaming
+  window are. ``final(total, weight, like)``: the window's value, in the dtype ``loss_fn``
+  returned. Partial reductions are kept in ``dtype(x)``; ``integers``: whether an integer leaf
+  may take it; ``public``: whether ``aux_reduce=`` may name it.
+  """
+
+  start: Callable[[Any], Any]
+  add: Callable[[jax.Array, Any, jax.Array, bool], jax.Array]
+  merge: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+  collective: str = "sum"
+  share: Callable[[jax.Array, int, bool], jax.Array] = _as_is
+  final: Callable[[jax.Array, jax.Array, Any], jax.Array] = _as_returned
+  dtype: Callable[[Any], Any] = jnp.result_type
+  integers: bool = True
+  public: bool = True
+
+
+def _zero(dtype: Any) -> int:
+  del dtype
+  return 0
+
+
+def _lowest(dtype: Any) -> Any:
+  """The start of a maximum: -inf, the least integer, or False."""
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return False
+  return -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype: Any) -> Any:
+  """The start of a minimum: +inf, the greatest integer, or True."""
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return True
+  return jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+
+
+def _add_weighted(acc: jax.Array, x: Any, w: jax.Array, weighted: bool) -> jax.Array:
+  x = jnp.asarray(x)
+  return acc + (jnp.where(w > 0, x.astype(acc.dtype) * w.astype(acc.dtype), 0) if weighted else x)
+
+
+def _add(acc: jax.Array, x: Any, w: jax.Array, weighted: bool) -> jax.Array:
+  return acc + (jnp.where(w > 0, x, 0) if weighted else jnp.asarray(x)).astype(acc.dtype)
+
+
+def _plus(acc: jax.Array, more: jax.Array, more_weight: jax.Array) -> jax.Array:
+  del more_weight
+  return acc + more.astype(acc.dtype)
+
+
+def _add_last(acc: jax.Array, x: Any, w: jax.Array, weighted: bool) -> jax.Array:
+  x = jnp.asarray(x)
+  return (jnp.where(w > 0, x, acc) if weighted else x).astype(acc.dtype)
+
+
+def _later(acc: jax.Array, more: jax.Array, more_weight: jax.Array) -> jax.Array:
+  """``more``, unless its micro-batches weigh nothing (``more_weight``: one per slot, or one)."""
+  real = more_weight > 0
+  real = jnp.reshape(real, jnp.shape(real) + (1,) * (more.ndim - real.ndim))
+  return jnp.where(real, more, acc).astype(acc.dtype)
+
+
+def _mean_share(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
+  """Unweighted, a device's micro-batch weighs ``1 / devices``, so that the devices' sum is the
+  mean over every micro-batch; weighted, the weights say it."""
+  return acc / devices if not weighted and is_inexact(acc) else acc
+
+
+def _devices_mean(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
+  """A float ``"last"``: the mean of the devices' values (integers: their sum)."""
+  del weighted
+  return acc / devices if is_inexact(acc) else acc
+
+
+def _weighted_mean(total: jax.Array, weight: jax.Array, like: Any) -> jax.Array:
+  return safe_mean(total, weight).astype(jnp.result_type(like))
+
+
+def _peak(pick: Callable[..., jax.Array], start: Callable[[Any], Any], collective: str,
+          every: bool = False) -> Reducer:  # fmt: skip
+  """A maximum or a minimum (``pick``: ``jnp.maximum``, ...) over the micro-batches of positive
+  weight (``every``: over every micro-batch that ran), and over the devices by ``collective``."""
+
+  def add(acc: jax.Array, x: Any, w: jax.Array, weighted: bool) -> jax.Array:
+    x = jnp.where(w > 0, x, start(acc.dtype)) if weighted and not every else x
+    return pick(acc, jnp.asarray(x).astype(acc.dtype))
+
+  def merge(acc: jax.Array, more: jax.Array, more_weight: jax.Array) -> jax.Array:
+    del more_weight
+    return pick(acc, more.astype(acc.dtype))
+
+  return Reducer(start, add, merge, collective)
+
+
+# The window statistics; ``aux_reduce=`` names the public ones.
+REDUCERS: dict[str, Reducer] = {
+  # the mean weighted by the micro-batches' weights (equal without weight_fn): floats' default
+  "mean": Reducer(_zero, _add_weighted, _plus, "sum", _mean_share, _weighted_mean, sum_dtype,
+                  integers=False),
+  # the sum over the micro-batches and devices: the default of integer and bool leaves
+  "sum": Reducer(_zero, _add, _plus, "sum", dtype=sum_dtype),
+  # over the micro-batches and devices; -inf and +inf for a window of no positive weight
+  "max": _peak(jnp.maximum, _lowest, "max"),
+  "min": _peak(jnp.minimum, _highest, "min"),
+  # the last micro-batch of positive weight; on a mesh the mean of the devices' values for it
+  "last": Reducer(_zero, _add_last, _later, "sum", _devices_mean),
+  # fp8 amax (_microbatch.Fp8): the max over every micro-batch that ran, whatever its weight
+  "max_all": dataclasses.replace(_peak(jnp.maximum, _lowest, "max", every=True), public=False),
+}  # fmt: skip
+
+
+def reducer_names() -> tuple[str, ...]:
+  """The reducers ``aux_reduce=`` may name (:data:`REDUCERS`' public entries)."""
+  return tuple(name for name, r in REDUCERS.items() if r.public)
 
 
 def _default_reducer(x: Any) -> str:
   return "mean" if is_inexact(x) else "sum"
 
 
+def _is_name(x: Any) -> bool:
+  return x is None or isinstance(x, str)
+
+
 @dataclasses.dataclass(frozen=True)
 class AuxReducers:
-  """How each aux leaf is reduced over a window (``aux_reduce=``; docs/usage.md, "Window
-  statistics"): ``"mean"`` (weighted by the micro-batches' weights; the default of float
-  leaves), ``"sum"`` (over the micro-batches and devices; the default of integer and bool
-  leaves), ``"max"``, ``"min"`` (over the micro-batches and devices; -inf and +inf for a window
-  of no positive weight) or ``"last"`` (the last micro-batch of positive weight; on a mesh, the
-  mean of the devices' values for it). Micro-batches of weight <= 0 are left out of all but
-  the package's own ``"max_all"`` (fp8 amax: the max over every micro-batch that ran)."""
+  """Each aux leaf's :class:`Reducer` (``aux_reduce=``; docs/usage.md, "Window statistics"):
+  one name of :data:`REDUCERS` for every leaf, a pytree prefix of the aux with names, or dicts
+  of some of the aux's keys; a leaf left out, or None, gets the default (``"mean"`` for float
+  leaves, ``"sum"`` for integer and bool ones). Each verb maps the leaves' records."""
 
-  spec: Any = None  # None, a name, or a pytree prefix of the aux with names (None: default)
+  spec: Any = None  # None, a name, a pytree prefix of the aux with names, or a partial dict
+  where: str | None = None  # the function the user called, for errors
 
-  def ops(self, aux: Any) -> Any:
-    """A tree like ``aux`` of each leaf's reducer; a ValueError for a spec that is not a prefix
-    of ``aux`` or that asks a mean of an integer leaf."""
+  def _refuse(self, text: str) -> ValueError:
+    return ValueError(text if self.where is None else f"{self.where}: {text}")
+
+  def records(self, aux: Any) -> Any:
+    """A tree like ``aux`` of each leaf's :class:`Reducer`; a ValueError for a spec that does not
+    fit ``aux`` or that asks a float statistic of an integer leaf."""
     if self.spec is None:
-      return jax.tree.map(_default_reducer, aux)
+      return jax.tree.map(lambda x: REDUCERS[_default_reducer(x)], aux)
+    treedef, spec = jax.tree.structure(aux), self._completed(self.spec, aux)
     try:
-      spec = jax.tree.broadcast(self.spec, aux, is_leaf=lambda x: x is None or isinstance(x, str))
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-        f"aux_reduce={self.spec!r} must be one of {AUX_REDUCERS} or a pytree prefix of the aux"
-        f" loss_fn returns, {jax.tree.structure(aux)}, with those names (or None) as leaves."
-        f" ({e})"
+      spec = jax.tree.broadcast(spec, aux, is_leaf=_is_name)
+    except (ValueError, TypeError):
+      raise self._refuse(
+        f"aux_reduce={self.spec!r} must be one of {reducer_names()}, a pytree prefix of the aux"
+        f" loss_fn returns, {treedef}, with those names (or None) as leaves, or a dict of some"
+        " of its keys."
       ) from None
-    specs = jax.tree.structure(aux).flatten_up_to(spec)
-    out = []
-    for (path, x), op in zip(jax.tree_util.tree_leaves_with_path(aux), specs, strict=True):
-      op = _default_reducer(x) if op is None else op
-      if op == "mean" and not is_inexact(x):
-        raise ValueError(
-          f"aux_reduce asks the mean of the integer aux leaf {jax.tree_util.keystr(path)}"
-          f" ({jnp.result_type(x)}): a weighted mean is a float; use 'sum', or return a float."
+    out, leaves = [], jax.tree_util.tree_leaves_with_path(aux)
+    for (path, x), name in zip(leaves, treedef.flatten_up_to(spec), strict=True):
+      r = REDUCERS[_default_reducer(x) if name is None else name]
+      if not (r.integers or is_inexact(x)):
+        raise self._refuse(
+          f"aux_reduce asks the {name} of the integer aux leaf {jax.tree_util.keystr(path)}"
+          f" ({jnp.result_type(x)}): a {name} is a float; use 'sum', or return a float."
         )
-      out.append(op)
-    return jax.tree.structure(aux).unflatten(out)
+      out.append(r)
+    return treedef.unflatten(out)
 
-  def _map(self, fn: Callable[..., Any], aux: Any, *rest: Any) -> Any:
-    return jax.tree.map(fn, self.ops(aux), aux, *rest)
+  def _completed(self, spec: Any, aux: Any, path: str = "") -> Any:
+    """``spec`` with each dict of it that meets a dict of the aux given the aux's other keys (as
+    None: the default); a ValueError naming a key the aux does not have."""
+    if isinstance(spec, Mapping) and isinstance(aux, Mapping):
+      unknown = [key for key in spec if key not in aux]
+      if unknown:
+        raise self._refuse(
+          f"aux_reduce names the key {unknown[0]!r}, which the aux loss_fn returns does not have"
+          f"{f' at {path}' if path else ''}; its keys there are {list(aux)}. Name keys of the aux"
+          " (those left out keep the default)."
+        )
+      done = {k: self._completed(spec.get(k), v, f"{path}[{k!r}]") for k, v in aux.items()}
+      return done if type(aux) is dict else type(aux)(done)
+    if type(spec) in (tuple, list) and type(spec) is type(aux) and len(spec) == len(aux):
+      parts = enumerate(zip(spec, aux, strict=True))
+      return type(spec)(self._completed(s, a, f"{path}[{i}]") for i, (s, a) in parts)
+    return spec
+
+  def _map(self, verb: Callable[..., Any], aux: Any, *rest: Any) -> Any:
+    return jax.tree.map(verb, self.records(aux), aux, *rest)
 
   def init(self, like: Any) -> Any:
-    """Each leaf's start: 0 for a sum or "last", the identity of "max" and "min"."""
-
-    def one(op, x):
-      dtype = sum_dtype(x) if op in ("mean", "sum") else jnp.result_type(x)
-      return jnp.full(jnp.shape(x), _identity(op, dtype), dtype)
-
-    return self._map(one, like)
+    """Each leaf's start (0 for a sum, the identity of a max or min), in its reducer's dtype."""
+    return self._map(lambda r, x: jnp.full(jnp.shape(x), r.start(r.dtype(x)), r.dtype(x)), like)
 
   def add(self, acc: Any, aux: Any, w: jax.Array, weighted: bool) -> Any:
     """``acc`` after one micro-batch's ``aux`` of weight ``w``."""
-    real = w > 0
-
-    def one(op, a, x):
-      x = jnp.asarray(x)
-      if op == "mean":
-        return a + (jnp.where(real, x.astype(a.dtype) * w.astype(a.dtype), 0) if weighted else x)
-      if op == "sum":
-        return a + (jnp.where(real, x, 0) if weighted else x).astype(a.dtype)
-      if op == "last":
-        return jnp.where(real, x, a).astype(a.dtype) if weighted else x.astype(a.dtype)
-      if op == "max_all":  # every micro-batch that ran, whatever its weight (fp8 amax)
-        return _peak(op, a, x)
-      return _peak(op, a, jnp.where(real, x, _identity(op, a.dtype)) if weighted else x)
-
-    return self._map(one, acc, aux)
+    return self._map(lambda r, a, x: r.add(a, x, w, weighted), acc, aux)
 
   def merged(self, acc: Any, more: Any, more_weight: jax.Array) -> Any:
     """Two windows' reductions as one (``more`` of later micro-batches, of total weight
     ``more_weight``)."""
-
-    def one(op, a, b):
-      if op == "last":
-        return jnp.where(more_weight > 0, b, a).astype(a.dtype)
-      return a + b.astype(a.dtype) if op in ("mean", "sum") else _peak(op, a, b)
-
-    return self._map(one, acc, more)
+    return self._map(lambda r, a, b: r.merge(a, b, more_weight), acc, more)
 
   def per_device(self, aux: Any, devices: int, weighted: bool) -> Any:
-    """Before the sum over ``devices`` (``_sharding.reduce_sums``): unweighted means, and "last",
-    divided by ``devices``, so that their sum is the mean of the devices' values."""
+    """Each device's share of the reductions, before they are combined over ``devices``."""
+    return self._map(lambda r, x: r.share(x, devices, weighted), aux)
 
-    def one(op, x):
-      divide = op == "last" or (op == "mean" and not weighted)
-      return x / devices if divide and is_inexact(x) else x
+  def split(self, aux: Any) -> dict[str, Any]:
+    """``aux`` as one tree like it per collective of :data:`COLLECTIVES`: the leaves it combines,
+    None elsewhere."""
+    records = self.records(aux)
 
-    return self._map(one, aux)
+    def only(name: str) -> Any:
+      return jax.tree.map(lambda r, x: x if r.collective == name else None, records, aux)
 
-  def split(self, aux: Any) -> tuple[Any, Any, Any]:
-    """``aux`` as three trees like it: the leaves summed over devices, maxed, minned (the others
-    None in each)."""
-    ops = self.ops(aux)
+    return {name: only(name) for name in COLLECTIVES}
 
-    def pick(want):
-      return jax.tree.map(lambda op, x: x if (op in want) else None, ops, aux)
-
-    return pick(("mean", "sum", "last")), pick(("max", "max_all")), pick(("min",))
-
-  def join(self, summed: Any, maxed: Any, minned: Any) -> Any:
-    """The three trees of :meth:`split` (each reduced over the devices) as one."""
-    leaves = [jax.tree.leaves(t, is_leaf=lambda v: v is None) for t in (summed, maxed, minned)]
+  def join(self, parts: dict[str, Any]) -> Any:
+    """The trees of :meth:`split` (each combined over the devices) as one."""
+    trees = list(parts.values())
+    leaves = [jax.tree.leaves(t, is_leaf=lambda v: v is None) for t in trees]
     out = [next((x for x in xs if x is not None), None) for xs in zip(*leaves, strict=True)]
-    return jax.tree.structure(summed, is_leaf=lambda v: v is None).unflatten(out)
+    return jax.tree.structure(trees[0], is_leaf=lambda v: v is None).unflatten(out)
 
   def over_slots(self, aux: Any) -> Any:
-    """``aux`` with a leading axis of device slots reduced (summed, or maxed, minned)."""
-
-    def one(op, x):
-      return {"max": jnp.max, "max_all": jnp.max, "min": jnp.min}.get(op, jnp.sum)(x, 0)
-
-    return self._map(one, aux)
+    """``aux`` with a leading axis of device slots combined."""
+    return self._map(lambda r, x: COLLECTIVES[r.collective][1](x, 0), aux)
 
   def final(self, total: Any, weight: jax.Array, like: Any) -> Any:
     """The window's aux from its reductions, in the dtypes ``loss_fn`` returned (``like``)."""
-
-    def one(op, t, x):
-      if op == "mean":
-        return safe_mean(t, weight).astype(jnp.result_type(x))
-      return t.astype(jnp.result_type(x)) if is_inexact(x) else t
-
-    return self._map(one, total, like)
-
-
-def _identity(op: str, dtype: Any) -> Any:
-  """The start of a reduction: 0, or the lowest (``max``) or highest (``min``) value."""
-  if op not in ("max", "min", "max_all"):
-    return 0
-  if jnp.issubdtype(dtype, jnp.bool_):
-    return op == "min"
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.inf if op == "min" else -jnp.inf
-  info = jnp.iinfo(dtype)
-  return info.max if op == "min" else info.min
-
-
-def _peak(op: str, a: jax.Array, x: Any) -> jax.Array:
-  return (jnp.minimum if op == "min" else jnp.maximum)(a, jnp.asarray(x).astype(a.dtype))
+    return self._map(lambda r, t, x: r.final(t, weight, x), total, like)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._checks import check_budget, check_choice, check_global_batch, is_inexact
 from gradaccum_jax._memory import device_memory_budget
-from gradaccum_jax._parts import Micro, Sums, SumsUnit
+from gradaccum_jax._parts import COLLECTIVES, Micro, Sums, SumsUnit
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
 
@@ -351,18 +351,15 @@ class ScatteredSumsUnit(SumsUnit):
 
 def reduce_over_data(
   plans: list[_LeafPlan], grads: list[jax.Array], extra: Any, axes: tuple[str, ...],
-  scattered: bool, peaks: tuple[Any, Any] | None = None,
+  scattered: bool,
 ) -> tuple[list[jax.Array], Any]:  # fmt: skip
   """The per-device gradient leaves and ``extra`` (additive sums) reduced over the data axes:
   one tuple ``psum`` of ``extra`` and of the gradients of params replicated over the data axes or
   sharded over data and model axes (each device keeps its shard), one reduce-scatter per param
   sharded over data axes only, unless ``scattered`` (reduced in the loop, per micro-batch): then
-  only summed over the data axes it is replicated over. ``peaks``: two more trees, maxed and
-  minned over the axes (then ``extra`` comes back as ``(extra, maxed, minned)``)."""
+  only summed over the data axes it is replicated over."""
   whole = [p.dim is None or (p.model and not scattered) for p in plans]
   summed, extra = jax.lax.psum(([g for g, w in zip(grads, whole, strict=True) if w], extra), axes)
-  if peaks is not None:  # aux leaves reduced by max and by min
-    extra = (extra, jax.lax.pmax(peaks[0], axes), jax.lax.pmin(peaks[1], axes))
   it, out = iter(summed), []
   for g, p, w in zip(grads, plans, whole, strict=True):
     if w:
@@ -376,14 +373,47 @@ def reduce_over_data(
 
 def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) -> tuple:
   """:func:`reduce_over_data` of a device's window sums and noise sums: ``(sums, noise)``, each
-  aux leaf reduced as ``reducers`` say."""
-  summed, maxed, minned = reducers.split(sums.aux)
-  peaks = None if not jax.tree.leaves((maxed, minned)) else (maxed, minned)
-  extra = (sums._replace(grads=(), aux=summed), noise)
-  grads, extra = reduce_over_data(plans, jax.tree.leaves(sums.grads), extra, axes, scattered, peaks)
-  (rest, noise), *maxed_minned = extra if peaks else (extra,)
-  aux = reducers.join(rest.aux, *maxed_minned) if peaks else rest.aux
+  aux leaf combined by its reducer's collective (``reducers.split``). The additive sums take
+  one all-reduce, their integer leaves carried in its float32 (:func:`_as_float32_parts`: an
+  all-reduce has one dtype); aux maxima and minima one more each per dtype."""
+  by = reducers.split(sums.aux)
+  extra = (sums._replace(grads=(), aux=by.pop("sum")), noise)
+  bits = _part_bits(jax.lax.axis_size(axes))
+  parts = jax.tree.map(lambda x: _as_float32_parts(x, bits), extra)
+  grads, parts = reduce_over_data(plans, jax.tree.leaves(sums.grads), parts, axes, scattered)
+  rest, noise = jax.tree.map(lambda x, like: _from_float32_parts(x, like, bits), parts, extra)
+  combined = {name: COLLECTIVES[name][0](t, axes) for name, t in by.items() if jax.tree.leaves(t)}
+  aux = reducers.join({**by, **combined, "sum": rest.aux})
   return rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads), aux=aux), noise
+
+
+def _part_bits(devices: int) -> int:
+  """The bits of each float32 part of an integer sum over ``devices`` devices: a part is below
+  ``2**bits``, so the sum of ``devices`` of them is below ``2**24``, where float32 is exact."""
+  return 24 - (devices - 1).bit_length()
+
+
+def _as_float32_parts(x: jax.Array, bits: int) -> jax.Array:
+  """An integer ``x`` as float32 parts of ``bits`` bits of its two's complement (the lowest
+  first, on a new leading axis), so that it joins the floats' all-reduce; a float as it is."""
+  if not jnp.issubdtype(jnp.result_type(x), jnp.integer) or bits < 1:
+    return x
+  width = jnp.iinfo(x.dtype).bits
+  word = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
+  mask = (1 << bits) - 1
+  return jnp.stack([((word >> s) & mask).astype(jnp.float32) for s in range(0, width, bits)])
+
+
+def _from_float32_parts(parts: jax.Array, like: jax.Array, bits: int) -> jax.Array:
+  """The integer sum of :func:`_as_float32_parts` summed over the devices: each part's sum an
+  exact integer below ``2**24``, shifted back and added modulo ``2**width``, as the integer
+  ``psum`` wraps."""
+  if not jnp.issubdtype(jnp.result_type(like), jnp.integer) or bits < 1:
+    return parts
+  width = jnp.iinfo(like.dtype).bits
+  unsigned = jnp.dtype(f"uint{width}")
+  word = sum(parts[j].astype(unsigned) << (j * bits) for j in range(parts.shape[0]))
+  return jax.lax.bitcast_convert_type(word, like.dtype)
 
 
 def refuse_nested_shard_map(trace: Callable[[], Any], axes: tuple, where: str) -> None:
@@ -635,8 +665,8 @@ class Slots:
     return add(params, mb, rng, own, model_state, scale)
 
   def reduce(self, params: Any, own: tuple[Sums, Any], reducers: Any) -> tuple[Sums, Any]:
-    """The window's sums: the slots reduced (one all-reduce, reduce-scatters for data-sharded
-    params; aux leaves reduced by max or min, one more each)."""
+    """The window's sums: the slots reduced (:func:`reduce_sums`: one all-reduce,
+    reduce-scatters for data-sharded params; aux maxima and minima one more each per dtype)."""
     dp = self.dp
     if dp is None:
       return own
