@@ -6,10 +6,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding
+
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._model_state import batchnorm_leaves
 from gradaccum_jax._options import Options, make_options, split_output
+from gradaccum_jax._sharding import DataParallel, leaf_plans, on_the_params_mesh
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -32,6 +36,45 @@ def _batchnorm_momentum(model: Any, nnx: Any) -> float:
   if not 0.0 <= momentum < 1.0:
     raise ValueError(f"batchnorm='per_window' needs a momentum in [0, 1), got {momentum}.")
   return momentum
+
+
+def _lay_out(nnx: Any, dp: DataParallel, model: Any, optimizer: Any) -> None:
+  """Puts a donated step's arrays on ``dp``'s mesh before ``nnx.jit`` lowers it: the params as
+  ``param_specs`` lays them out, any other array still on one device replicated (an array already
+  there is not copied). JAX pairs a donated input with an output of its size per device as it
+  reads the input's layout; an array left on one device reads as whole, the compiler shards it,
+  and XLA refuses the pair ("Expected aliased input ... to have the same size")."""
+  if not isinstance(optimizer, nnx.Optimizer):
+    return  # the step says what to pass
+  _, params, rest = nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)
+  params = nnx.as_pure(params)
+  spec = [p.spec for p in leaf_plans(dp, params)]
+  leaves = [
+    jax.device_put(x, NamedSharding(dp.mesh, s))
+    for x, s in zip(jax.tree.leaves(params), spec, strict=True)
+  ]
+  params = jax.tree.structure(params).unflatten(leaves)
+  nnx.update(model, params, on_the_params_mesh(nnx.as_pure(rest), params))
+  opt_state = nnx.as_pure(nnx.state(optimizer.opt_state, graph=optimizer.graph))
+  nnx.update(optimizer.opt_state, on_the_params_mesh(opt_state, params))
+
+
+class _LaidOut:
+  """``nnx.jit``'s step (and its ``lower``) with :func:`_lay_out` run first."""
+
+  def __init__(self, jitted: Callable[..., Any], lay_out: Callable[..., None]):
+    self._jitted, self._lay_out = jitted, lay_out
+
+  def __call__(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    self._lay_out(model, optimizer)
+    return self._jitted(model, optimizer, *args, **kwargs)
+
+  def lower(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    self._lay_out(model, optimizer)
+    return self._jitted.lower(model, optimizer, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._jitted, name)
 
 
 def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
@@ -74,6 +117,9 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   if not jit:
     return step
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
+  dp = opts.parallel
+  if donate and dp is not None:
+    jitted = _LaidOut(jitted, lambda model, optimizer: _lay_out(nnx, dp, model, optimizer))
 
   def k(args):
     return as_accumulate(args[1].tx).fixed_num_microbatches("nnx_train_step")
@@ -91,7 +137,7 @@ def nnx_train_step(
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
-  donate: bool = False,
+  donate: bool = True,
   jit: bool = True,
   gather_params: str = "once",
   memory_budget_bytes: int | None = None,
@@ -108,9 +154,11 @@ def nnx_train_step(
     loss_fn: ``loss_fn(model, microbatch)``, the mean loss (``(loss, aux)`` with ``has_aux``).
     batchnorm: as in :func:`value_and_grad`; ``"per_window"`` reads the ``nnx.BatchNorm`` momentum.
     param_specs: as in :func:`train_step`, shaped like ``nnx.to_pure_dict(nnx.state(model, wrt))``.
+    donate: write the new variables and optimizer state over the old ones (default: the step
+      writes them back into ``model`` and ``optimizer``; an array also held elsewhere, as
+      ``nnx.clone`` shares them, is deleted: copy it first, or pass ``donate=False``).
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
-    has_aux, weight_fn, compute_dtype, donate, grads_in_place, aux_reduce: as in
-      :func:`train_step`.
+    has_aux, weight_fn, compute_dtype, grads_in_place, aux_reduce: as in :func:`train_step`.
     mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:

@@ -213,7 +213,8 @@ def test_batchnorm_frozen_keeps_statistics_and_threads_rngs():
   inner = optax.adam(1e-2)
   batch = make_batch(jax.random.key(5), B)
   model = MLP(bn=True, dropout=0.3)
-  before = nnx.to_pure_dict(nnx.clone(nnx.state(model, nnx.BatchStat)))
+  # Copied: nnx.clone shares the arrays, which the step (donated by default) deletes.
+  before = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
   ref = nnx.clone(model)
   hand_loop(ref, batch, inner)
   count0 = rng_count(model)
@@ -232,7 +233,8 @@ def test_dropout_gets_a_fresh_mask_per_microbatch():
   batch = make_batch(jax.random.key(6), B)
   model = MLP(dropout=0.5)
   count0 = rng_count(model)
-  twin, same_key, ref = nnx.clone(model), nnx.clone(model), nnx.clone(model)
+  # Equal models of their own (nnx.clone shares arrays, which the donated step deletes).
+  twin, same_key, ref = (MLP(dropout=0.5) for _ in range(3))
 
   hand_loop(ref, batch, inner)  # micro-batch i draws with the counter left by i - 1
   hand_loop(same_key, batch, inner, same_rng=True)  # every micro-batch draws the same mask
@@ -327,6 +329,35 @@ def test_donated_step_voids_a_bad_window_in_place_and_matches_the_undonated_step
     assert bool(step(model, optimizer, good)["updated"])
     results.append(params_of(model))
   assert_trees_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+def test_the_default_step_is_the_donated_one():
+  """donate=True is the default (the step writes back into the model and the optimizer): the
+  default step compiles to donate=True's program (the same text and memory analysis), whose peak
+  (temp + arguments + outputs - aliased, as ga.inspect_step reports it) is below donate=False's,
+  and a call deletes the arrays the model and the optimizer held before it."""
+  batch = make_batch(jax.random.key(1), B)
+  programs, peaks = {}, {}
+  for donate in (None, True, False):
+    model = MLP()
+    optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(1e-2), K), wrt=nnx.Param)
+    step = ga.nnx_train_step(xent, **({} if donate is None else {"donate": donate}))
+    compiled = step.lower(model, optimizer, batch).compile()
+    m = compiled.memory_analysis()
+    sizes = (m.temp_size_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes)
+    programs[donate] = compiled.as_text(), (*sizes, m.alias_size_in_bytes)
+    peaks[donate] = ga.inspect_step(step, model, optimizer, batch).peak_bytes
+    assert peaks[donate] == sum(sizes) - m.alias_size_in_bytes, (donate, m)
+  assert programs[None] == programs[True] and programs[None][0] != programs[False][0]
+  assert programs[True][1][3] > 0 and programs[False][1][3] == 0  # aliased bytes
+  assert peaks[None] == peaks[True] < peaks[False], peaks
+
+  model = MLP()
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(1e-2), K), wrt=nnx.Param)
+  held = model.l1.kernel[...], optimizer.opt_state.acc_grads["l1"]["kernel"][...]
+  ga.nnx_train_step(xent)(model, optimizer, batch)
+  assert all(x.is_deleted() for x in held)
+  assert not model.l1.kernel[...].is_deleted()
 
 
 def test_has_updated_reads_the_state_an_nnx_optimizer_wraps():
