@@ -365,3 +365,25 @@ def test_linen_mistakes_name_the_ga_argument_to_change():
 
   with pytest.raises(TypeError, match=r"train_kwargs=\{'train': True\}"):
     ga.linen_train_step(model, loss, jit=False)(state, batch)
+
+
+def test_the_default_keeps_the_old_state_and_donate_true_writes_over_it():
+  """docs/models.md: undonated by default, the TrainState passed in (and the variables it was
+  made from) can still be read after the call; donate=True deletes its arrays, and the new
+  state is the same bit for bit."""
+  rng = np.random.default_rng(2)
+  net = nn.Dense(2)
+  variables = {"params": {"kernel": rng.normal(size=(3, 2)), "bias": np.zeros(2)}}
+  variables = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), variables)
+  mb = {"x": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32), "y": jnp.ones((8, 2))}
+  news = {}
+  for donate in (None, True):
+    ts = train_state.TrainState.create(
+      apply_fn=net.apply, params=variables["params"], tx=ga.accumulate(optax.sgd(0.1), 2)
+    )
+    kw = {} if donate is None else {"donate": True}
+    step = ga.linen_train_step(net, lambda y, mb: jnp.mean((y - mb["y"]) ** 2), **kw)
+    news[donate], _ = step(ts, mb)
+    deleted = [x.is_deleted() for x in jax.tree.leaves(ts.params)]
+    assert deleted == [bool(donate)] * 2, (donate, deleted)
+  assert_trees_close(news[True].params, news[None].params, rtol=0, atol=0)
