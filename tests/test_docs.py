@@ -147,6 +147,11 @@ def test_migrating_snippets_match_their_before():
   # NNX: the same params; Optimizer.step counted micro-batches before and windows after.
   assert_trees_close(nnx.state(ns["ga_model"], nnx.Param), nnx.state(ns["ms_model"], nnx.Param))
   assert (int(ns["ms_opt"].step[...]), int(ns["ga_opt"].step[...])) == (ns["k"], 1)
+  # NNX streaming: optimizer.update(model, grads, weight=rows) in the loop, the same params.
+  ms_nnx_params = nnx.state(ns["ms_model"], nnx.Param)
+  assert_trees_close(nnx.state(ns["stream_model"], nnx.Param), ms_nnx_params)
+  stream_opt = ns["stream_opt"]
+  assert (int(stream_opt.step[...]), int(stream_opt.opt_state.count[...])) == (ns["k"], 1)
 
 
 @pytest.mark.slow

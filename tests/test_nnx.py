@@ -360,6 +360,31 @@ def test_the_default_step_is_the_donated_one():
   assert not model.l1.kernel[...].is_deleted()
 
 
+def test_streaming_optimizer_update_takes_the_micro_batch_weight():
+  """docs/migrating.md: optimizer.update(model, grads, weight=w) hands ``weight`` to
+  ga.accumulate, so the window applies sgd to sum_i w_i g_i / sum_i w_i (by hand, from each
+  micro-batch's gradient), not to the plain mean; optimizer.step counts calls, the state windows."""
+  model = MLP()
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.sgd(0.5), 2), wrt=nnx.Param)
+  batch, weights = make_batch(jax.random.key(8), B), (1.0, 3.0)
+  mbs = [ga.microbatch(batch, i, 2) for i in range(2)]
+  grads = [nnx.to_pure_dict(nnx.grad(xent)(model, mb)) for mb in mbs]
+  mean = jax.tree.map(lambda a, b: (weights[0] * a + weights[1] * b) / 4.0, *grads)
+  plain = jax.tree.map(lambda a, b: (a + b) / 2, *grads)
+  want = jax.tree.map(lambda p, g: p - 0.5 * g, params_of(model), mean)
+  unweighted = jax.tree.map(lambda p, g: p - 0.5 * g, params_of(model), plain)
+
+  @nnx.jit
+  def stream(model, optimizer, mb, weight):
+    optimizer.update(model, nnx.grad(xent)(model, mb), weight=weight)
+
+  for mb, w in zip(mbs, weights, strict=True):
+    stream(model, optimizer, mb, w)
+  assert_trees_close(params_of(model), want, rtol=1e-6, atol=1e-7)
+  assert not np.allclose(want["l1"]["kernel"], unweighted["l1"]["kernel"])
+  assert (int(optimizer.step[...]), int(optimizer.opt_state.count[...])) == (2, 1)
+
+
 def test_has_updated_reads_the_state_an_nnx_optimizer_wraps():
   """nnx.Optimizer wraps the state's leaves in variables: ga.has_updated unwraps them (before,
   it returned the variable), False inside a window and True after the closing update."""
