@@ -125,10 +125,16 @@ def test_api_pages_open_with_an_example(page):
 
 def test_models_nnx_check_equivalence():
   """docs/models.md: the masked token loss of an NNX model fails the check unweighted and passes
-  weighted by tokens."""
+  weighted by tokens; the step weighted by tokens reports the whole batch's token mean and
+  counts one window; the split's params are the model's variables, updated by the step."""
   ns = run_blocks(DOCS / "models.md")
   assert not ns["unweighted"].ok and ns["unweighted"].cause == "weighting"
   assert ns["weighted"].ok and ns["weighted"].weighted
+  assert float(ns["metrics"]["loss"]) == pytest.approx(float(ns["whole_loss"]), rel=1e-6)
+  optimizer = ns["optimizer"]
+  assert (int(optimizer.step[...]), int(optimizer.opt_state.count[...])) == (1, 1)
+  after = float(ns["model_loss"](ns["model"], ns["batch"]))
+  assert float(ns["token_loss"](ns["params"], ns["batch"])) == after != float(ns["whole_loss"])
 
 
 def test_migrating_snippets_match_their_before():
