@@ -632,8 +632,10 @@ class Slots:
 
     grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
     rest, noise = jax.tree.map(one, (sums._replace(grads=(), aux=()), noise))
-    starts = reducers.init(sums.aux)  # per leaf: 0, or the start of a max or min
-    aux = jax.tree.map(lambda x, start: one(x, fill=start), sums.aux, starts)
+    # Per leaf its reducer's start (0, or the start of a max or min), a scalar: jax 0.10 cannot
+    # place an array fill on the slots' sharding.
+    records = reducers.records(sums.aux)
+    aux = jax.tree.map(lambda x, r: one(x, fill=r.start(jnp.result_type(x))), sums.aux, records)
     return rest._replace(grads=grads, aux=aux), noise
 
   def local(self, local: Callable[..., Any], params, mb, rng, own, model_state, scale):
