@@ -179,6 +179,8 @@ def test_docs_python_blocks_run():
   )
   assert_trees_close(ns["stream_params"], fused)
   assert float(ns["stream_metrics"]["loss"]) == pytest.approx(float(fused_metrics["loss"]))
+  # usage.md, MoE: a balance loss trained inside the loss is per micro-batch, not the batch's.
+  assert not ns["per_micro"].ok and ns["per_micro"].cause == "batch_dependence"
   # usage.md, FP8: the window's amax histories and scales are the whole batch's.
   assert ns["fp8_same"] and int(ns["fp8_state"].opt_state.count) == 1
   # data_parallel.md, FSDP: the 10-element bias is replicated, the rest and the optimizer's
