@@ -120,8 +120,7 @@ def scale_adam_hyperparams(
 ) -> tuple[float, float, float]:
   r"""Adam's ``b1``, ``b2`` and ``eps`` tuned at ``base_batch_size``, for ``batch_size``.
 
-  With :math:`\kappa` = ``batch_size / base_batch_size`` (the inputs unchanged for
-  :math:`\kappa = 1`):
+  With :math:`\kappa` = ``batch_size / base_batch_size`` (:math:`\kappa = 1`: the inputs):
 
   - ``rule="sqrt"`` (Malladi et al.): :math:`1 - \beta_i \to \kappa (1 - \beta_i)` for both
     betas and :math:`\epsilon \to \epsilon / \sqrt{\kappa}`; needs :math:`\kappa (1 - \beta_i)
@@ -130,8 +129,7 @@ def scale_adam_hyperparams(
     ``b2``'s half-life fixed in examples (tokens), for every :math:`\kappa`; ``b1`` and ``eps``
     are returned unchanged. To first order in :math:`1 - \beta_2` it is the ``"sqrt"`` rule's
     ``b2``: :math:`\beta_2^{\kappa} = 1 - \kappa (1 - \beta_2) + O((1 - \beta_2)^2)`.
-
-  Sources, derivations and limits: docs/choosing_k.md.
+    Sources, derivations and limits: docs/choosing_k.md.
 
   Args:
     b1, b2: Adam's first- and second-moment decays, in ``[0, 1)``.
