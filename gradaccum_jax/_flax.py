@@ -197,8 +197,8 @@ def linen_train_step(
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
   ``step(train_state, batch, rng=None)`` is :func:`train_step` (``has_state=True``, the state
-  ``batch_stats``) for ``train_state.tx = ga.accumulate(inner, k)`` and the loss ``loss_fn(
-  module.apply(...), microbatch)``. More: docs/models.md; fp8 params: docs/usage.md.
+  ``batch_stats``) for ``train_state.tx = ga.accumulate(inner, k)`` and the loss
+  ``loss_fn(module.apply(...), microbatch)``. More: docs/models.md; fp8 params: docs/usage.md.
 
   Args:
     module: the ``flax.linen.Module`` (``module.apply`` is called, not ``apply_fn``).
@@ -210,8 +210,8 @@ def linen_train_step(
     rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
     donate: write the new state over the old one's; off by default (the old ``TrainState`` and
       the variables it was made from may still be read): docs/models.md says when to donate.
-    has_aux, weight_fn, jit, compute_dtype, grads_in_place, aux_reduce, mesh, data_axis,
-      param_specs, gather_params, memory_budget_bytes: as in :func:`train_step`.
+    has_aux, weight_fn, jit, compute_dtype, grads_in_place, aux_reduce: as in :func:`train_step`.
+    mesh, data_axis, param_specs, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:
     ``step(train_state, batch, rng=None, *, num_real_microbatches=None) -> (train_state,
