@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "gradient_accumulation.ipynb"
 NOTEBOOKS = {  # notebook: (text its outputs must contain, number of inline plots)
   "gradient_accumulation.ipynb": (
-    ["max |params DP - single device|", "StepReport: 1 loop(s)", "update: equivalent"],
+    ["max |params DP - single device|", "StepReport: 1 loop(s)", "whole batch: equivalent"],
     2,
   ),
   "token_weighted_lm.ipynb": (
