@@ -35,6 +35,7 @@ from gradaccum_jax._parts import (
   Weighting,
   add_gradients,
   mean_of,
+  over_slots,
   refuse_overwrite,
   sq_norm,
   zeros_accumulator,
@@ -111,7 +112,9 @@ class MicroStepState(NamedTuple):
       return value  # the counters, or sums without device slots: nothing is totalled
     if name == "noise_scale":  # only this field's slots are totalled, not the accumulator's
       return with_sums(value, jax.tree.map(lambda x: jnp.sum(x, axis=0), open_sums(value)))
-    return jax.tree.map(lambda x: jnp.sum(x, axis=0), value)
+    if name == "acc_grads":  # each leaf by its rule (a running mean weighs its slots)
+      return over_slots(value, self.accumulate.acc_weight)
+    return jnp.sum(value, axis=0)
 
   @property
   def count(self) -> jax.Array:  # else tuple.count
@@ -130,9 +133,10 @@ def slot_totals(state: Any) -> Any:
   acc = state.accumulate
   if jnp.ndim(acc.acc_weight) == 0:
     return acc
-  grads, weight, noise = jax.tree.map(
-    lambda x: jnp.sum(x, axis=0), (acc.acc_grads, acc.acc_weight, open_sums(acc.noise_scale))
+  weight, noise = jax.tree.map(
+    lambda x: jnp.sum(x, axis=0), (acc.acc_weight, open_sums(acc.noise_scale))
   )
+  grads = over_slots(acc.acc_grads, acc.acc_weight)  # each leaf by its rule
   return acc._replace(
     acc_grads=grads, acc_weight=weight, noise_scale=with_sums(acc.noise_scale, noise)
   )

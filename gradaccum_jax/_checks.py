@@ -104,20 +104,6 @@ def is_running_mean(acc: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
-def check_accumulator_on_mesh(acc: Any, where: str) -> None:
-  """ValueError naming ``where`` if an accumulator leaf (or the ``accum_dtype`` given as
-  ``acc``) keeps running means: the data-parallel reduction of every mode sums the devices'
-  shares, which running means are not."""
-  narrow = [jnp.result_type(a) for a in jax.tree.leaves(acc) if is_running_mean(a)]
-  if narrow:
-    raise ValueError(
-      f"{where}(mesh=...): a {narrow[0]} accumulator keeps running means (its accum_dtype, or"
-      " the params' dtype with accum_dtype=None), which the data-parallel reduction does not"
-      " combine: it sums the devices' shares. With mesh=, make the transformation with"
-      " ga.accumulate(..., accum_dtype=jnp.float32) (the default)."
-    )
-
-
 def check_num_microbatches(
   num_microbatches: Any, *, allow_schedule: bool, where: str = "A fused step"
 ) -> NumMicrobatches:

@@ -21,7 +21,6 @@ from gradaccum_jax._accumulate import (
   zeros_like_output,
 )
 from gradaccum_jax._checks import (
-  check_accumulator_on_mesh,
   check_batch,
   check_trainable,
   is_inexact,
@@ -119,8 +118,6 @@ class MicroStep:
   def __init__(self, opts: Options, tx: Accumulate, *, donate: bool, jit: bool):
     self.tx, self._opts, self._acc = tx, opts, tx.settings
     dp = opts.parallel
-    if dp is not None:  # now for a narrow accum_dtype; at trace time for narrow params' (None)
-      check_accumulator_on_mesh(self._acc.accum_dtype, opts.where)
     self._slots = Slots(dp)
     self._layout = MicroStepLayout(self._acc, opts, self._slots)
     self.mesh = None if dp is None else dp.mesh
@@ -183,8 +180,6 @@ class MicroStep:
     state = self._layout.place(state, params, microbatch, model_state, rng)
     acc_state, slots = state.accumulate, self._slots
     slots.check_rows(check_batch(microbatch, 1))
-    if self.mesh is not None:
-      check_accumulator_on_mesh(acc_state.acc_grads, "micro_step")
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
     if self.has_state:  # the model state a voided window restores: as the window found it
       saved = model_state if state.window_start is None else state.window_start
@@ -205,10 +200,13 @@ class MicroStep:
   def _local(self, like, params, mb, rng, own, model_state, scale, axes):
     """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model
     state; ``like["like"]``: one micro-batch's loss and aux."""
+
     # Donated, without a mesh, where it can, the backward pass adds into the state's accumulator
     # in its buffer (undonated that buffer is copied first: 0.37 A more than the carried path on
     # the LM of tests/test_memory.py); otherwise the micro-batch's sums start from zeros.
-    loss = jax.eval_shape(lambda: self._opts.objective(params, model_state, mb, rng, scale)[1][0])
+    def loss():  # traced only for a weighted step
+      return jax.eval_shape(lambda: self._opts.objective(params, model_state, mb, rng, scale)[1][0])
+
     why = self._mg.carried_because(params, own[0].grads, None, loss)
     why = "streaming" if why is None and not (self._in_place and not axes) else why
     like["in_place"] = why is None

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import (
-  check_accumulator_on_mesh,
   check_batch,
   check_num_microbatches,
   check_real_microbatches,
@@ -32,7 +31,7 @@ from gradaccum_jax._parts import (
   with_params,
   zeros_accumulator,
 )
-from gradaccum_jax._sharding import over_mesh, refuse_nested_shard_map, to_varying
+from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map, to_varying
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
@@ -230,12 +229,13 @@ class MicrobatchedGrad:
   noise_sums: bool = False  # also sum w_i |g_i|^2 for the noise scale (Window.noise)
   overwrite: str | None = None  # fp8 (Flax variables in params): the collection overwritten
 
-  def carried_because(self, params: Any, acc_init: Any, per_micro: Any, loss: Any) -> str | None:
+  def carried_because(self, params, acc_init, per_micro, loss: Callable[[], Any]) -> str | None:
     """None if the backward pass adds each gradient into the accumulator in place
     (``jax.vjp(...).with_refs``, docs/models.md, "Stacked layers"), else why not (a key of
     ``CARRIED_BECAUSE``): ``grads_in_place`` allows it, JAX has it (0.11 or later), no unit needs
     a micro-batch's own gradient, each accumulator leaf has its param's dtype and, weighted, the
-    loss value (``loss``, abstract) is float32 or wider (a narrower one rounds the seed)."""
+    loss value (``loss()``, abstract, traced only then) is float32 or wider (a narrower one rounds
+    the seed)."""
     if not self.options.grads_in_place:
       return "option"
     if not refs_available():
@@ -252,7 +252,7 @@ class MicrobatchedGrad:
     types = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(params)]
     if types != [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(acc_init)]:
       return "dtype"
-    if self.options.weighting.weighted and jnp.finfo(loss.dtype).bits < 32:
+    if self.options.weighting.weighted and jnp.finfo(loss().dtype).bits < 32:
       return "narrow_loss"
     return None
 
@@ -270,7 +270,6 @@ class MicrobatchedGrad:
     if dp is None:
       w = core.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
     else:
-      check_accumulator_on_mesh(acc_init, self.options.where)
       w = over_mesh(dp, core, params, batch, rng, acc_init, model_state, scale, num_real, in_buffer)
     return w if ow is None else Fp8.window(w, self.reducers)
 
@@ -333,11 +332,10 @@ class MicrobatchedGrad:
       return Micro(loss, aux, grads, w, new_state)
 
     why = None
-    if vary:  # inside the step's shard_map over the data axes
-      p0 = params if per_micro is None else per_micro.gather(params, 0)
-      loss0 = lambda: opts.objective(p0, model_state, microbatch(batch, 0, k), rng, scale)  # noqa: E731
-      refuse_nested_shard_map(loss0, vary, opts.where)
-    like = jax.eval_shape(one, 0, model_state)
+    if vary:  # inside the step's shard_map over the data axes, where a loss's own is refused
+      like = shapes_refusing_nested_shard_map(one, (0, model_state), vary, opts.where)
+    else:
+      like = jax.eval_shape(one, 0, model_state)
 
     def body(c: Carry, i) -> tuple[Carry, None]:
       m = one(i, model_unit.start(c.model), refs)
@@ -347,7 +345,7 @@ class MicrobatchedGrad:
     if vary:
       init = to_varying(init, vary)
     refs = norm = None
-    why = carried or self.carried_because(params, acc_init, per_micro, like.loss)
+    why = carried or self.carried_because(params, acc_init, per_micro, lambda: like.loss)
     if why is None:  # the gradients added into Refs
       refs, norm = _in_place_refs(init.sums.grads, opts.weighting, batch, k, num, vary)
       init = init._replace(sums=init.sums._replace(grads=()))
@@ -435,8 +433,6 @@ def value_and_grad(
     grads_in_place=grads_in_place, aux_reduce=aux_reduce,
   )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
-  if opts.parallel is not None:  # now for a narrow accum_dtype; at trace time for narrow params
-    check_accumulator_on_mesh(accum_dtype, "value_and_grad")
 
   def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
     num_real = check_real_microbatches(num_real_microbatches, k)

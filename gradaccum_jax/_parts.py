@@ -104,8 +104,8 @@ def zeros_accumulator(params: Any, accum_dtype: Any) -> Any:
 
 
 def keeps_running_means(acc: Any) -> bool:
-  """Whether any leaf of the accumulator ``acc`` keeps a running mean (:func:`is_running_mean`)."""
-  return any(map(is_running_mean, jax.tree.leaves(acc)))
+  """Whether any leaf of the accumulator ``acc`` keeps a running mean (:data:`RUNNING_MEAN`)."""
+  return any(rule_of(a).running_mean for a in jax.tree.leaves(acc))
 
 
 def window_means(
@@ -122,6 +122,61 @@ def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
   return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
 
 
+def _leading(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` (a scalar, or one value per device slot) broadcastable against ``like``."""
+  return jnp.reshape(x, jnp.shape(x) + (1,) * (jnp.ndim(like) - jnp.ndim(x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """How an accumulator leaf keeps a window, chosen once per leaf by its dtype (:func:`rule_of`)
+  and used by every mode: :data:`SUM` (float32 or wider: ``sum_i w_i g_i``) or
+  :data:`RUNNING_MEAN` (a narrower float, whose sum could overflow: the weighted mean, moved in
+  float32 as ``optax.MultiSteps`` does).
+
+  ``one(acc, g, w, wt)``: a micro-batch's gradient ``g`` of weight ``w`` as a window of its own.
+  ``merge(acc, more, frac)``: two partial windows as one (``frac``: the later one's share of
+  their total weight). ``per_device(acc, devices)``: unweighted, a device's share when each of
+  its micro-batches weighs ``1 / devices``. ``share(acc, weight)`` and ``from_total(total,
+  weight, dtype)``: a window on each device (``weight``: its own) as an addend of the sum over
+  the devices (or device slots) and the window that sum makes (``weight``: the total); a
+  running mean is shared as ``mean * weight`` in float32, so one all-reduce combines it with
+  the sums. Weights are scalars or one per device slot (a leading axis of ``acc``)."""
+
+  running_mean: bool
+
+  def one(self, acc: jax.Array, g: Any, w: jax.Array, wt: Weighting) -> jax.Array:
+    return g if self.running_mean else wt.add(jnp.zeros_like(acc), g, w)
+
+  def merge(self, acc: jax.Array, more: Any, frac: jax.Array) -> jax.Array:
+    if not self.running_mean:
+      return acc + more.astype(acc.dtype)
+    frac = _leading(frac, acc)  # left as it is for a zero share, even if ``more`` is NaN
+    return jnp.where(frac > 0, _toward(acc, more, frac), acc)
+
+  def per_device(self, acc: jax.Array, devices: int) -> jax.Array:
+    return acc if self.running_mean else acc / devices
+
+  def share(self, acc: jax.Array, weight: jax.Array) -> jax.Array:
+    if not self.running_mean:
+      return acc
+    return acc.astype(jnp.float32) * _leading(weight, acc).astype(jnp.float32)
+
+  def from_total(self, total: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    if not self.running_mean:
+      return total
+    return safe_mean(total, _leading(weight, total)).astype(dtype)
+
+
+SUM, RUNNING_MEAN = Rule(False), Rule(True)
+
+
+def rule_of(acc: Any) -> Rule:
+  """The :class:`Rule` of an accumulator leaf (or dtype): :data:`RUNNING_MEAN` for a float
+  narrower than float32 (:func:`_checks.is_running_mean`), else :data:`SUM`."""
+  return RUNNING_MEAN if is_running_mean(acc) else SUM
+
+
 def _toward(mean: jax.Array, x: Any, frac: jax.Array) -> jax.Array:
   """The running mean ``mean`` moved the fraction ``frac`` of the way to ``x``, in float32."""
   m = mean.astype(jnp.float32)
@@ -130,28 +185,38 @@ def _toward(mean: jax.Array, x: Any, frac: jax.Array) -> jax.Array:
 
 def merge_gradients(acc: Any, weight: jax.Array, more: Any, more_weight: jax.Array) -> Any:
   """The accumulation rule, shared by every mode: two accumulators of total weights ``weight``
-  and ``more_weight`` as one. A leaf of float32 or wider adds the sums; a narrower one keeps
-  the running weighted mean (:func:`is_running_mean`), moved toward ``more``'s mean by
-  ``more_weight / (weight + more_weight)`` in float32 (left as it is for a zero ``more_weight``,
-  even if ``more`` is NaN)."""
+  and ``more_weight`` (scalars, or one per device slot) as one, each leaf by its
+  :class:`Rule`."""
   frac = safe_mean(more_weight, weight + more_weight)
-
-  def one(a, b):
-    if not is_running_mean(a):
-      return a + b.astype(a.dtype)
-    return jnp.where(frac > 0, _toward(a, b, frac), a)
-
-  return jax.tree.map(one, acc, more)
+  return jax.tree.map(lambda a, b: rule_of(a).merge(a, b, frac), acc, more)
 
 
 def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
   """``acc`` (of total weight ``weight``) after one more micro-batch ``grads`` of weight ``w``:
-  :func:`merge_gradients` with the micro-batch as a window of its own, whose sum is ``w g``
-  (0 for ``w <= 0``) and whose mean is ``g``."""
-  one = jax.tree.map(
-    lambda a, g: g if is_running_mean(a) else wt.add(jnp.zeros_like(a), g, w), acc, grads
-  )
+  :func:`merge_gradients` with the micro-batch as a window of its own (``Rule.one``)."""
+  one = jax.tree.map(lambda a, g: rule_of(a).one(a, g, w, wt), acc, grads)
   return merge_gradients(acc, weight, one, wt.total(w))
+
+
+def shared(acc: Any, weight: jax.Array, dtypes: Any = None) -> Any:
+  """Each leaf of ``acc`` as its addend of a sum over devices or device slots (``Rule.share``;
+  ``dtypes``: the accumulator's, where a leaf is already a sum in a wider dtype)."""
+  dtypes = jax.tree.map(jnp.result_type, acc) if dtypes is None else dtypes
+  return jax.tree.map(
+    lambda a, d: a if jnp.result_type(a) != d else rule_of(d).share(a, weight), acc, dtypes
+  )
+
+
+def from_totals(totals: Any, weight: jax.Array, dtypes: Any) -> Any:
+  """The window of the summed :func:`shared` addends ``totals`` of total ``weight``."""
+  return jax.tree.map(lambda t, d: rule_of(d).from_total(t, weight, d), totals, dtypes)
+
+
+def over_slots(acc: Any, weights: jax.Array) -> Any:
+  """The window of an accumulator with a leading axis of device slots of ``weights``."""
+  dtypes = jax.tree.map(jnp.result_type, acc)
+  totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), shared(acc, weights))
+  return from_totals(totals, jnp.sum(weights, axis=0), dtypes)
 
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
@@ -164,7 +229,7 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
     wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
     real = jnp.finfo(wide.dtype).dtype  # float32 for complex64; float64 for a float64 sum
     factor = jnp.ones((), real) if scale is None else 1 / scale.astype(real)
-    if not is_running_mean(a):  # 1 / weight in the sum's precision: exact means in float64
+    if not rule_of(a).running_mean:  # 1 / weight in the sum's precision: exact means in float64
       w = weight.astype(real)
       factor = factor * jnp.where(ok, 1 / jnp.where(ok, w, 1), 0)
     return wide * factor
@@ -498,10 +563,13 @@ class SumsUnit:
 
   def update(self, s: Sums, m: Micro) -> Sums:
     w, wt = m.weight, self.weighting
-    grads = add_gradients(s.grads, m.grads, w, s.weight, wt)
     weight = s.weight if self.counted_after(s) else s.weight + wt.total(w)
     aux = self.reducers.add(s.aux, m.aux, w, wt.weighted)
-    return Sums(grads, weight, wt.add(s.loss, m.loss, w), aux)
+    return Sums(self.add_grads(s, m), weight, wt.add(s.loss, m.loss, w), aux)
+
+  def add_grads(self, s: Sums, m: Micro) -> Any:
+    """The gradient sums after ``m`` (:func:`add_gradients`)."""
+    return add_gradients(s.grads, m.grads, m.weight, s.weight, self.weighting)
 
   def counted_after(self, s: Sums) -> bool:
     """Whether the total weight (unweighted: the number of micro-batches) is added after the
@@ -520,8 +588,8 @@ class SumsUnit:
     aux = self.reducers.per_device(s.aux, devices, self.weighting.weighted)
     if self.weighting.weighted:
       return s._replace(aux=aux)
-    grads, loss = _divided((s.grads, s.loss), devices)
-    return Sums(grads, jnp.asarray(num, jnp.float32), loss, aux)
+    grads = jax.tree.map(lambda a: rule_of(a).per_device(a, devices), s.grads)
+    return Sums(grads, jnp.asarray(num, jnp.float32), _divided(s.loss, devices), aux)
 
   def seed_factor(self, devices: int) -> int:
     """What an open window's sums are multiplied by when one device adds them into its share:

@@ -20,7 +20,16 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._checks import check_budget, check_choice, check_global_batch, is_inexact
 from gradaccum_jax._memory import device_memory_budget
-from gradaccum_jax._parts import COLLECTIVES, Micro, Sums, SumsUnit
+from gradaccum_jax._parts import (
+  COLLECTIVES,
+  Micro,
+  Sums,
+  SumsUnit,
+  add_gradients,
+  from_totals,
+  rule_of,
+  shared,
+)
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
 
@@ -335,18 +344,30 @@ class PerMicrobatch:
 
 @dataclasses.dataclass(frozen=True)
 class ScatteredSumsUnit(SumsUnit):
-  """:class:`SumsUnit` whose gradient sums are reduce-scattered every micro-batch: ``w_i g_i``
-  (0 for ``w_i <= 0``) is reduced before it is added, so each device's weight multiplies its own
-  gradient; the loss, weight and aux sums stay local."""
+  """:class:`SumsUnit` whose gradient sums of params sharded over the data axes are
+  reduce-scattered every micro-batch: ``w_i g_i`` (0 for ``w_i <= 0``) is reduced before it is
+  added, so each device's weight multiplies its own gradient; such a leaf of a narrow
+  accumulator is summed in float32 (a shard; ``reduce_sums`` makes the window's mean). The other
+  leaves, and the loss, weight and aux sums, stay local."""
 
   plans: tuple[_LeafPlan, ...]
 
-  def update(self, s: Sums, m: Micro) -> Sums:
-    rest = super().update(s._replace(grads=()), m._replace(grads=()))
-    zeros = jax.tree.map(lambda g, a: jnp.zeros(jnp.shape(g), a.dtype), m.grads, s.grads)
-    weighted = self.weighting.add(zeros, m.grads, m.weight)
-    reduced = _per_leaf(lambda g, p: g if p.dim is None else p.scatter(g), weighted, self.plans)
-    return rest._replace(grads=jax.tree.map(jnp.add, s.grads, reduced))
+  def init(self, acc_init: Any, like: Micro) -> Sums:
+    s = super().init(acc_init, like)
+
+    def wide(a, p):  # a narrow leaf sharded over the data axes: its shard's float32 sum
+      return a.astype(jnp.float32) if p.dim is not None and rule_of(a).running_mean else a
+
+    return s._replace(grads=_per_leaf(wide, s.grads, self.plans))
+
+  def add_grads(self, s: Sums, m: Micro) -> Any:
+    def one(a, g, p):
+      if p.dim is None:
+        return add_gradients(a, g, m.weight, s.weight, self.weighting)
+      return a + p.scatter(self.weighting.add(jnp.zeros(jnp.shape(g), a.dtype), g, m.weight))
+
+    leaves = zip(jax.tree.leaves(s.grads), jax.tree.leaves(m.grads), self.plans, strict=True)
+    return jax.tree.structure(s.grads).unflatten([one(*t) for t in leaves])
 
 
 def reduce_over_data(
@@ -371,11 +392,15 @@ def reduce_over_data(
   return out, extra
 
 
-def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) -> tuple:
+def reduce_sums(plans, sums: Sums, noise: Any, axes, reducers, *, scattered=False, dtypes=None):
   """:func:`reduce_over_data` of a device's window sums and noise sums: ``(sums, noise)``, each
-  aux leaf combined by its reducer's collective (``reducers.split``). The additive sums take
-  one all-reduce, their integer leaves carried in its float32 (:func:`_as_float32_parts`: an
-  all-reduce has one dtype); aux maxima and minima one more each per dtype."""
+  aux leaf combined by its reducer's collective (``reducers.split``), each gradient leaf by its
+  rule (``_parts.shared``: a running mean as ``mean * weight`` in float32; ``dtypes``: the
+  accumulator's, default the sums'). The additive sums take one all-reduce, their integer leaves
+  carried in its float32 (:func:`_as_float32_parts`: an all-reduce has one dtype); aux maxima
+  and minima one more each per dtype."""
+  dtypes = jax.tree.map(jnp.result_type, sums.grads) if dtypes is None else dtypes
+  sums = sums._replace(grads=shared(sums.grads, sums.weight, dtypes))
   by = reducers.split(sums.aux)
   extra = (sums._replace(grads=(), aux=by.pop("sum")), noise)
   bits = _part_bits(jax.lax.axis_size(axes))
@@ -384,7 +409,8 @@ def reduce_sums(plans, sums: Sums, noise: Any, axes, scattered: bool, reducers) 
   rest, noise = jax.tree.map(lambda x, like: _from_float32_parts(x, like, bits), parts, extra)
   combined = {name: COLLECTIVES[name][0](t, axes) for name, t in by.items() if jax.tree.leaves(t)}
   aux = reducers.join({**by, **combined, "sum": rest.aux})
-  return rest._replace(grads=jax.tree.structure(sums.grads).unflatten(grads), aux=aux), noise
+  grads = from_totals(jax.tree.structure(sums.grads).unflatten(grads), rest.weight, dtypes)
+  return rest._replace(grads=grads, aux=aux), noise
 
 
 def _part_bits(devices: int) -> int:
@@ -416,13 +442,14 @@ def _from_float32_parts(parts: jax.Array, like: jax.Array, bits: int) -> jax.Arr
   return jax.lax.bitcast_convert_type(word, like.dtype)
 
 
-def refuse_nested_shard_map(trace: Callable[[], Any], axes: tuple, where: str) -> None:
-  """A ValueError, at trace time, for a loss that calls ``jax.shard_map`` itself inside the
-  step's own ``shard_map`` over the data ``axes`` (``trace`` traces one micro-batch's loss): JAX
-  cannot lower that nesting (a context-mesh mismatch, or a Shardy verifier error that names
-  neither cause nor fix)."""
+def shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes: tuple, where: str):
+  """The shapes of ``fn(*args)`` (one micro-batch's gradient, traced once), or a ValueError for
+  a loss that calls ``jax.shard_map`` itself inside the step's own ``shard_map`` over the data
+  ``axes``: JAX cannot lower that nesting (a context-mesh mismatch, or a Shardy verifier error
+  that names neither cause nor fix)."""
   try:
-    nested = "shard_map" in str(jax.make_jaxpr(trace)())
+    jaxpr, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    nested = "shard_map" in str(jaxpr)
   except ValueError as e:  # the nested call may fail while it is traced
     if "shard_map" not in str(e):
       raise
@@ -435,6 +462,7 @@ def refuse_nested_shard_map(trace: Callable[[], Any], axes: tuple, where: str) -
       " shard the params over them with param_specs= and write loss_fn without shard_map"
       " (docs/data_parallel.md, 'Model axes'); or call the step without mesh=."
     )
+  return shapes
 
 
 def over_mesh(
@@ -508,7 +536,10 @@ def _per_device(dp, plans, core, acc_leaves, seeded, static,
   hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
   w = core.local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, hook)
   static["window"] = w
-  sums, noise = reduce_sums(plans, w.sums, w.noise, dp.axes, per_mb, core.reducers)
+  dtypes = treedef.unflatten([jnp.result_type(a) for a in acc_leaves])
+  sums, noise = reduce_sums(
+    plans, w.sums, w.noise, dp.axes, core.reducers, scattered=per_mb, dtypes=dtypes
+  )
   sums, noise = core.per_device(sums, noise, dp.size, w.num)
   return sums, noise, reduce_state(w.model_state, dp.axes)
 
@@ -676,7 +707,7 @@ class Slots:
 
     def per_device(partial, noise):
       partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
-      return reduce_sums(plans, partial, noise, dp.axes, False, reducers)
+      return reduce_sums(plans, partial, noise, dp.axes, reducers)
 
     aux = jax.tree.map(lambda _: P(), own[0].aux)
     out = Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), aux)

@@ -18,7 +18,6 @@ from gradaccum_jax._accumulate import (
   window_metrics,
 )
 from gradaccum_jax._checks import (
-  check_accumulator_on_mesh,
   check_real_microbatches,
   check_same_structure,
 )
@@ -153,8 +152,6 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
   k = tx.fixed_num_microbatches(opts.where)
   mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
   dp = opts.parallel
-  if dp is not None:  # now for a narrow accum_dtype; at trace time for narrow params' (None)
-    check_accumulator_on_mesh(acc.accum_dtype, opts.where)
 
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)

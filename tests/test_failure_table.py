@@ -89,12 +89,6 @@ def micro_step_nan():
   return "restored"
 
 
-def narrow_on_a_mesh():
-  tx = ga.accumulate(optax.sgd(0.1), 2, accum_dtype=jnp.bfloat16)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  return ga.micro_step(xent_loss, tx, mesh=mesh)
-
-
 def swapped():
   tx = ga.accumulate(optax.sgd(0.1), K)
   return ga.train_step(xent_loss, tx)(BATCH, tx.init(PARAMS), PARAMS)
@@ -208,7 +202,6 @@ TRIGGERS = {
   ),
   '`aux_reduce="mean"` for an integer aux leaf': lambda: aux_reduce("mean"),
   "`grads_in_place` that is not True or False": lambda: fused(grads_in_place="yes"),
-  "a bfloat16 or float16 accumulator (`accum_dtype`, or the params' dtype with `accum_dtype=None`) with `mesh=`, in any mode that takes it": narrow_on_a_mesh,
   "params and batch swapped in a step's call": swapped,
   "the `ga.accumulate` transformation as `check_step`'s `inner_tx`": lambda: ga.check_step(
     lambda p, s, b: (p,), xent_loss, ga.accumulate(optax.sgd(0.1), K), PARAMS, None, BATCH

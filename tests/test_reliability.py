@@ -360,17 +360,6 @@ def test_low_precision_accumulators_keep_the_mean_representable():
   np.testing.assert_allclose(np.asarray(grads, np.float32), 2e4, rtol=1e-3)
 
 
-def test_low_precision_accumulators_on_a_mesh_are_refused():
-  from jax.sharding import AxisType
-
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  params = jnp.zeros(2, jnp.float16)
-  tx = ga.accumulate(optax.sgd(1.0), 2, accum_dtype=None)
-  step = ga.train_step(lambda p, mb: jnp.mean(mb @ p.astype(jnp.float32)), tx, mesh=mesh)
-  with pytest.raises(ValueError, match=r"float16 accumulator keeps running means.*accum_dtype"):
-    step(params, tx.init(params), jnp.ones((16, 2)))
-
-
 @pytest.mark.parametrize("k", [3, 6, 16])
 def test_float64_windows_are_float64_exact(k):
   """Under x64 with accum_dtype=float64, every normalizer of the window is float64: the mean
