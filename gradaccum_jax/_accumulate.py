@@ -315,7 +315,7 @@ class Accumulator:
 
   def close(
     self, acc_grads: Updates, acc_weight: jax.Array, state: AccumulateState,
-    params: Params | None, grad_like: Updates, extra_args: dict[str, Any],
+    params: Params | None, grad_like: Updates, extra_args: dict[str, Any], *,
     mode: str = "select", norm_by_rows: bool = False,
   ) -> Closed:  # fmt: skip
     """Closes a window: one inner update on ``acc_grads / acc_weight``, kept out by ``mode``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from gradaccum_jax._checks import (
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Sums, keep_if_voided, refuse_overwrite, window_means
+from gradaccum_jax._parts import Inputs, Sums, keep_if_voided, refuse_overwrite, window_means
 from gradaccum_jax._sharding import Slots, place_params
 
 
@@ -127,7 +128,8 @@ class MicroStep:
     donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
-    self._in_place = donate and jit  # the closing branch writes the params over the donated ones
+    # Donated, the closing branch writes the params over the donated ones.
+    self._end = CallEnd(self._acc, self._slots, opts, donated=donate and jit)
 
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
@@ -187,17 +189,17 @@ class MicroStep:
       state = state._replace(window_start=start)
     own, like = _partials(state), {}
     local = functools.partial(self._local, like)
-    new, new_model_state = slots.local(local, params, microbatch, rng, own, model_state, scale)
+    inputs = Inputs(params, microbatch, rng, model_state, scale)
+    new, new_model_state = slots.local(local, inputs, own)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
     sums, noise = _merged(own, new, self._opts.aux_reduce)
-    if like["in_place"]:  # the micro-batch's gradient was added into the accumulator itself
+    if like["grads_in_place"]:  # the micro-batch's gradient was added into the accumulator itself
       sums = sums._replace(grads=new[0].grads)
     state = _with_partials(state, sums, noise)
-    args = (params, new_model_state, state, like["like"])
-    return _close_or_hold(self._acc, slots, self._opts, self._in_place, *args)
+    return self._end(params, new_model_state, state, like["like"])
 
-  def _local(self, like, params, mb, rng, own, model_state, scale, axes):
+  def _local(self, like: dict, inputs: Inputs, own: tuple[Sums, Any], axes: tuple):
     """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model
     state; ``like["like"]``: one micro-batch's loss and aux."""
 
@@ -205,77 +207,89 @@ class MicroStep:
     # in its buffer (undonated that buffer is copied first: 0.37 A more than the carried path on
     # the LM of tests/test_memory.py); otherwise the micro-batch's sums start from zeros.
     def loss():  # traced only for a weighted step
-      return jax.eval_shape(lambda: self._opts.objective(params, model_state, mb, rng, scale)[1][0])
+      p, mb, rng, model_state, scale, _ = inputs
+      return jax.eval_shape(lambda: self._opts.objective(p, model_state, mb, rng, scale)[1][0])
 
-    why = self._mg.carried_because(params, own[0].grads, None, loss)
-    why = "streaming" if why is None and not (self._in_place and not axes) else why
-    like["in_place"] = why is None
-    acc = own[0].grads if like["in_place"] else jax.tree.map(jnp.zeros_like, own[0].grads)
-    w = self._mg.local_sums(params, mb, rng, acc, model_state, scale, None, axes, carried=why)
+    why = self._mg.carried_because(inputs.params, own[0].grads, None, loss)
+    why = "streaming" if why is None and not (self._end.donated and not axes) else why
+    like["grads_in_place"] = why is None
+    acc = own[0].grads if like["grads_in_place"] else jax.tree.map(jnp.zeros_like, own[0].grads)
+    w = self._mg.local_sums(inputs, acc, vary=axes, carried=why)
     like["like"] = (w.loss_like, w.aux_like)
     # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
     devices = self._slots.devices
     return self._mg.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
 
 
-def _close_or_hold(acc, slots, opts, in_place, params, new_model_state, state, like):
-  """The call's end: the window closed if this micro-batch completes it, else held; then the
-  partial sums cleared where it closed. ``(new params, model state, state, metrics)``."""
-  # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
-  # only read the partial sums; they are cleared after it, in place (as in _close_if).
-  # Donated, the closing branch writes the new params over the old ones (the plain step's
-  # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
-  # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
-  mode, reducers = ("cond_apply" if in_place else "cond"), opts.aux_reduce
-  emit = state.accumulate.micro_step + 1 >= acc.window_size(state.accumulate.count)
+@dataclasses.dataclass(frozen=True)
+class CallEnd:
+  """How a :class:`MicroStep` call ends: the window closed if this micro-batch completes it,
+  else held (``donated``: params and state are donated)."""
 
-  def close(params, new_model_state, state):
-    args = (params, new_model_state, state, like)
-    return jnp.ones((), bool), *_close_window(acc, slots, mode, opts.loss.has_aux, reducers, *args)
+  acc: Any  # the Accumulator
+  slots: Slots
+  opts: Options
+  donated: bool
 
-  def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
-    closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
-    kept = params if in_place else jax.tree.map(jnp.zeros_like, params)  # typed as params
-    acc_state = state.accumulate
-    acc_state = acc_state._replace(
-      micro_step=optax.safe_increment(acc_state.micro_step), updated=closed
+  def __call__(self, params, new_model_state, state, like):
+    """``(new params, model state, state, metrics)``, the partial sums cleared where it closed;
+    ``like``: one micro-batch's loss and aux (for the means' dtypes)."""
+    # Held unless the window closes, in a lax.cond (reverse-differentiable) whose branches
+    # only read the partial sums; they are cleared after it, in place (as in _close_if).
+    # Donated, the closing branch writes the new params over the old ones (the plain step's
+    # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
+    # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
+    acc, donated, reducers = self.acc, self.donated, self.opts.aux_reduce
+    mode = "cond_apply" if donated else "cond"
+    emit = state.accumulate.micro_step + 1 >= acc.window_size(state.accumulate.count)
+
+    def close(params, new_model_state, state):
+      return jnp.ones((), bool), *self.close(mode, params, new_model_state, state, like)
+
+    def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
+      closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
+      kept = params if donated else jax.tree.map(jnp.zeros_like, params)  # typed as params
+      acc_state = state.accumulate
+      acc_state = acc_state._replace(
+        micro_step=optax.safe_increment(acc_state.micro_step), updated=closed
+      )
+      nan = jax.tree.map(lambda m: m if not is_inexact(m) else jnp.full_like(m, jnp.nan), metrics)
+      return closed, kept, new_model_state, state._replace(accumulate=acc_state), nan
+
+    closed, out, new_model_state, state, metrics = jax.lax.cond(
+      emit, close, hold, params, new_model_state, state
     )
-    nan = jax.tree.map(lambda m: m if not is_inexact(m) else jnp.full_like(m, jnp.nan), metrics)
-    return closed, kept, new_model_state, state._replace(accumulate=acc_state), nan
+    sums, noise = _partials(state)
+    start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max or min starts elsewhere
+    start = (start[0]._replace(aux=reducers.init(sums.aux)), start[1])
+    empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
+    new_params = place_params(self.slots.dp, out if donated else optax.apply_updates(params, out))
+    # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
+    # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
+    acc_state = state.accumulate
+    metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
+    return new_params, new_model_state, _with_partials(state, *empty), metrics
 
-  closed, out, new_model_state, state, metrics = jax.lax.cond(
-    emit, close, hold, params, new_model_state, state
-  )
-  sums, noise = _partials(state)
-  start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max or min starts elsewhere
-  start = (start[0]._replace(aux=reducers.init(sums.aux)), start[1])
-  empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
-  new_params = place_params(slots.dp, out if in_place else optax.apply_updates(params, out))
-  # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
-  # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
-  acc_state = state.accumulate
-  metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
-  return new_params, new_model_state, _with_partials(state, *empty), metrics
-
-
-def _close_window(acc, slots, mode, has_aux, reducers, params, new_model_state, state, like):
-  """The call that closes the window: the slots reduced, one inner update of ``acc``
-  (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics; ``like``:
-  one micro-batch's loss and aux (for the means' dtypes)."""
-  own = _partials(state)
-  totals, total_noise = slots.reduce(params, own, reducers)
-  acc_state = state.accumulate
-  acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
-  loss, aux = window_means(totals, *like, reducers)
-  extra = {"value": loss, "grad": MEAN_GRADIENT}
-  closed = acc.close(totals.grads, totals.weight, acc_state, params, params, extra, mode)
-  # The partial sums as they were: the caller clears them after its lax.cond.
-  new_state = _with_partials(state._replace(accumulate=closed.state), *own)
-  scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
-  metrics = window_metrics(closed, loss, aux, totals.weight, has_aux, scale)
-  if state.window_start is not None:  # a voided window restores float state as it found it
-    new_model_state = keep_if_voided(closed.state.updated, new_model_state, state.window_start)
-  return closed.out, new_model_state, new_state, metrics
+  def close(self, mode, params, new_model_state, state, like):
+    """The call that closes the window: the slots reduced, one inner update
+    (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics."""
+    reducers = self.opts.aux_reduce
+    own = _partials(state)
+    totals, total_noise = self.slots.reduce(params, own, reducers)
+    acc_state = state.accumulate
+    acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
+    loss, aux = window_means(totals, *like, reducers)
+    extra = {"value": loss, "grad": MEAN_GRADIENT}
+    closed = self.acc.close(
+      totals.grads, totals.weight, acc_state, params, params, extra, mode=mode
+    )
+    # The partial sums as they were: the caller clears them after its lax.cond.
+    new_state = _with_partials(state._replace(accumulate=closed.state), *own)
+    scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
+    metrics = window_metrics(closed, loss, aux, totals.weight, self.opts.loss.has_aux, scale)
+    if state.window_start is not None:  # a voided window restores float state as it found it
+      new_model_state = keep_if_voided(closed.state.updated, new_model_state, state.window_start)
+    return closed.out, new_model_state, new_state, metrics
 
 
 def micro_step(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,14 +21,15 @@ from gradaccum_jax._noise import NoiseSums, NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   AuxReducers,
+  Inputs,
   Micro,
   Off,
   Sums,
   SumsUnit,
+  Window,
   keeps_running_means,
   mean_of,
   overwrite_key,
-  window_means,
   with_params,
   zeros_accumulator,
 )
@@ -83,23 +85,6 @@ class Carry(NamedTuple):
   sums: Sums
   noise: NoiseSums | tuple[()]
   model: Any  # a ModelCarry, or ()
-
-
-class Window(NamedTuple):
-  """The sums of one batch's micro-batches, and what they were made of."""
-
-  sums: Sums
-  noise: NoiseSums | tuple[()]
-  model_state: Any  # the model state after the window (None without has_state)
-  loss_like: jax.ShapeDtypeStruct  # one micro-batch's loss ...
-  aux_like: Any  # ... and aux
-  num: Any  # the micro-batches summed (k, or num_real_microbatches)
-  reducers: AuxReducers = AuxReducers()
-  overwrite: Any = None  # fp8: the max of the overwrite collection's "gradients" (else None)
-
-  def means(self) -> tuple[jax.Array, Any]:
-    """The weighted mean loss and the reduced aux (:func:`window_means`)."""
-    return window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
 
 
 def window_weight(weighting: Any, batch: Any, k: int, num: Any) -> jax.Array:
@@ -199,23 +184,21 @@ def _scaled(x: jax.Array, factor: jax.Array | None) -> jax.Array:
   return x if factor is None else x * factor.astype(x.dtype)
 
 
-def _add_into(objective, refs, params, model_state, mb, key, scale, w) -> tuple[Any, Any, Any]:
-  """``(loss, aux, new_model_state)`` of one micro-batch whose gradient of ``objective``
-  (:meth:`_options.Options.objective`), weighted by ``w`` (the backward pass's seed), is added
-  into ``refs``; weighted, a micro-batch of weight ``<= 0`` runs forward only, so even a NaN
-  adds nothing."""
+def _add_into(objective: Callable[[Any], Any], refs: Any, params: Any, w: Any) -> Any:
+  """``(loss, aux, new_model_state)`` of one micro-batch whose gradient of ``objective(params)``
+  (:meth:`_options.Options.objective` on it), weighted by ``w`` (the backward pass's seed), is
+  added into ``refs``; weighted, a micro-batch of weight ``<= 0`` runs forward only, so even a
+  NaN adds nothing."""
 
   @jax.named_scope(IN_PLACE_SCOPE)  # how ga.inspect_step tells (StepReport.grads_in_place)
   def run(_):
-    out, vjp_fn, rest = jax.vjp(
-      lambda p: objective(p, model_state, mb, key, scale), params, has_aux=True
-    )
+    out, vjp_fn, rest = jax.vjp(objective, params, has_aux=True)
     seed = jnp.ones_like(out) if w is None else jnp.broadcast_to(w.astype(out.dtype), out.shape)
     vjp_fn.with_refs(refs)(seed)
     return rest
 
   def forward_only(_):
-    return objective(params, model_state, mb, key, scale)[1]
+    return objective(params)[1]
 
   return run(None) if w is None else jax.lax.cond(w > 0, run, forward_only, None)
 
@@ -256,21 +239,21 @@ class MicrobatchedGrad:
       return "narrow_loss"
     return None
 
-  def sums(
-    self, params, batch, rng, acc_init, model_state=None, scale=None, num_real=None, in_buffer=False
-  ) -> Window:
-    """The window sums of ``batch``, its gradients added to ``acc_init`` (zeros for a running
-    mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with ``in_buffer``
-    (a donated step's accumulator) and where a device holds its share, else adds it after."""
+  def sums(self, inputs: Inputs, acc_init: Any, in_buffer: bool = False) -> Window:
+    """The window sums of ``inputs.batch``, its gradients added to ``acc_init`` (zeros for a
+    running mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with
+    ``in_buffer`` (a donated step's accumulator) and where a device holds its share, else adds
+    it after."""
+    params = inputs.params
     check_trainable(params, where=self.options.where)
     dp, ow = self.options.parallel, overwrite_key(params, self.options.where)
     core = self if ow is None else dataclasses.replace(self, overwrite=ow)
     if ow is not None:  # fp8: the collection's zeros beside the trained params' sums
       acc_init = with_params(params, acc_init, jax.tree.map(jnp.zeros_like, params[ow]))
     if dp is None:
-      w = core.local_sums(params, batch, rng, acc_init, model_state, scale, num_real)
+      w = core.local_sums(inputs, acc_init)
     else:
-      w = over_mesh(dp, core, params, batch, rng, acc_init, model_state, scale, num_real, in_buffer)
+      w = over_mesh(dp, core, inputs, acc_init, in_buffer)
     return w if ow is None else Fp8.window(w, self.reducers)
 
   def _noise_unit(self) -> NoiseUnit | Off:
@@ -294,14 +277,12 @@ class MicrobatchedGrad:
       return self.options.aux_reduce
     return AuxReducers((self.options.aux_reduce.spec, "max_all"))
 
-  def local_sums(
-    self, params, batch, rng, acc_init, model_state, scale, num_real, vary=(), per_micro=None,
-    carried=None,
-  ):  # fmt: skip
+  def local_sums(self, inputs: Inputs, acc_init: Any, *, vary=(), per_micro=None, carried=None):
     """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes), the
     gradients added in place unless ``carried`` or :meth:`carried_because` says why not; with
     ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
     micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
+    params, batch, rng, model_state, scale, num_real = inputs
     k, opts, ow = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
@@ -322,7 +303,10 @@ class MicrobatchedGrad:
       w = opts.weighting.of(mb)
       if refs is not None:  # added in place: the units see no gradient
         seed = None if norm is None else w / norm
-        loss, aux, new_state = _add_into(opts.objective, refs, p, start, mb, key, scale, seed)
+        objective = functools.partial(
+          opts.objective, model_state=start, mb=mb, key=key, scale=scale
+        )
+        loss, aux, new_state = _add_into(objective, refs, p, seed)
         return Micro(loss, aux, (), w, new_state)
       seed = scale if fp8 is None else fp8.seed(w, scale)
       with jax.named_scope(CARRIED_SCOPE + (why or "")):  # ga.inspect_step reads why
@@ -440,7 +424,7 @@ def value_and_grad(
     ow = overwrite_key(params, "value_and_grad")
     trained = params if ow is None else params["params"]
     zeros = zeros_accumulator(trained, accum_dtype)
-    w = mg.sums(params, batch, rng, zeros, model_state, None, num_real)
+    w = mg.sums(Inputs(params, batch, rng, model_state, None, num_real), zeros)
     grads = jax.tree.map(
       lambda a, p: a.astype(jnp.result_type(p)), mean_of(w.sums.grads, w.sums.weight), trained
     )

@@ -28,6 +28,17 @@ class Micro(NamedTuple):
   model_state: Any  # the model state after it (None without has_state)
 
 
+class Inputs(NamedTuple):
+  """What a window is computed from, one value through every stage (the scan, the mesh)."""
+
+  params: Any
+  batch: Any  # the window's rows (a device's own inside the mesh's shard_map)
+  rng: jax.Array | None = None  # micro-batch i gets fold_in(rng, i) (on a mesh, per device)
+  model_state: Any = None  # the model state the window starts from (None without has_state)
+  scale: jax.Array | None = None  # the loss scale (None without one)
+  num_real: Any = None  # how many micro-batches run (None: all k)
+
+
 class Sums(NamedTuple):
   """The weighted sums every window keeps; additive, so devices reduce them with one psum."""
 
@@ -213,7 +224,10 @@ def from_totals(totals: Any, weight: jax.Array, dtypes: Any) -> Any:
 
 
 def over_slots(acc: Any, weights: jax.Array) -> Any:
-  """The window of an accumulator with a leading axis of device slots of ``weights``."""
+  """The window of an accumulator with a leading axis of device slots of ``weights`` (their
+  total read only for a running mean)."""
+  if not keeps_running_means(acc):
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), acc)
   dtypes = jax.tree.map(jnp.result_type, acc)
   totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), shared(acc, weights))
   return from_totals(totals, jnp.sum(weights, axis=0), dtypes)
@@ -548,6 +562,23 @@ class AuxReducers:
   def final(self, total: Any, weight: jax.Array, like: Any) -> Any:
     """The window's aux from its reductions, in the dtypes ``loss_fn`` returned (``like``)."""
     return self._map(lambda r, t, x: r.final(t, weight, x), total, like)
+
+
+class Window(NamedTuple):
+  """The sums of one batch's micro-batches, and what they were made of."""
+
+  sums: Sums
+  noise: Any  # _noise.NoiseSums, or () without the noise scale
+  model_state: Any  # the model state after the window (None without has_state)
+  loss_like: jax.ShapeDtypeStruct  # one micro-batch's loss ...
+  aux_like: Any  # ... and aux
+  num: Any  # the micro-batches summed (k, or num_real_microbatches)
+  reducers: AuxReducers = AuxReducers()
+  overwrite: Any = None  # fp8: the max of the overwrite collection's "gradients" (else None)
+
+  def means(self) -> tuple[jax.Array, Any]:
+    """The weighted mean loss and the reduced aux (:func:`window_means`)."""
+    return window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
 
 
 @dataclasses.dataclass(frozen=True)

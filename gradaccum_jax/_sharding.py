@@ -8,7 +8,6 @@ docs/data_parallel.md and docs/architecture.md."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,9 +21,11 @@ from gradaccum_jax._checks import check_budget, check_choice, check_global_batch
 from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import (
   COLLECTIVES,
+  Inputs,
   Micro,
   Sums,
   SumsUnit,
+  Window,
   add_gradients,
   from_totals,
   rule_of,
@@ -465,21 +466,10 @@ def shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes: 
   return shapes
 
 
-def over_mesh(
-  dp: DataParallel,
-  core: Any,
-  params: Any,
-  batch: Any,
-  rng: jax.Array | None,
-  acc_init: Any,
-  model_state: Any,
-  scale: jax.Array | None,
-  num_real: jax.Array | None,
-  in_buffer: bool = False,
-) -> Any:
+def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buffer=False) -> Any:
   """Runs ``core.local_sums`` (a ``MicrobatchedGrad``'s single-device scan, returning a
   ``Window``) on every device's rows under ``shard_map``, then reduces once
-  (:func:`reduce_over_data`, :func:`reduce_state`). Returns the batch's ``Window``, its gradients
+  (:func:`reduce_sums`, :func:`reduce_state`). Returns the batch's ``Window``, its gradients
   added to ``acc_init``: with ``in_buffer`` in the scan, where a device starts from its share of
   ``acc_init``; else after the reduction."""
   if dp.gather not in ("once", "per_microbatch"):
@@ -487,68 +477,82 @@ def over_mesh(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
       " Linen/NNX steps); here pass 'once' or 'per_microbatch'."
     )
-  check_global_batch(batch, dp, core.num_microbatches)
+  check_global_batch(inputs.batch, dp, core.num_microbatches)
   per_mb = dp.gather == "per_microbatch"
-  plans = [
+  plans = tuple(
     dataclasses.replace(p, outside=p.dim is not None and p.model and not per_mb)
-    for p in leaf_plans(dp, params)
-  ]
-  treedef = jax.tree.structure(params)
-  acc_leaves = jax.tree.leaves(acc_init)
+    for p in leaf_plans(dp, inputs.params)
+  )
+  treedef = jax.tree.structure(inputs.params)
+  acc_leaves = tuple(jax.tree.leaves(acc_init))
   # Seeded: a device's scan starts from its shard of the accumulator, shaped like its sums (a
   # leaf replicated over the data axes, or sharded over them and reduced per micro-batch).
-  seeded = [in_buffer and (p.dim is None or per_mb) for p in plans]
+  seeded = tuple(in_buffer and (p.dim is None or per_mb) for p in plans)
   seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
   seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
-  static = {}  # the single-device Window, for its fields that need no reduction
-  per_device = functools.partial(_per_device, dp, plans, core, acc_leaves, seeded, static)
-  args = (params, batch, rng, model_state, scale, num_real)
-  args, seeds = _laid_out(dp, plans, args, seeds, seed_plans)
+  per_device = _OverMesh(dp, core, plans, acc_leaves, seeded, {})
+  inputs, seeds = _laid_out(dp, plans, inputs, seeds, seed_plans)
   params_in = treedef.unflatten([P() if p.outside else p.manual for p in plans])
-  in_specs = (params_in, dp.batch_spec, P(), P(), P(), P(), tuple(p.manual for p in seed_plans))
+  in_specs = (
+    Inputs(params_in, dp.batch_spec, P(), P(), P(), P()),
+    tuple(p.manual for p in seed_plans),
+  )
   out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P())
-  sums, noise, new_state = shard_map_over_data(per_device, dp, in_specs, out_specs)(*args, seeds)
+  sums, noise, new_state = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
-  num = core.num_microbatches if num_real is None else num_real
-  return static["window"]._replace(
-    sums=sums._replace(grads=grads), noise=noise, model_state=new_state, num=num
-  )
+  num = core.num_microbatches if inputs.num_real is None else inputs.num_real
+  loss_like, aux_like = per_device.shapes["like"]
+  sums = sums._replace(grads=grads)
+  return Window(sums, noise, new_state, loss_like, aux_like, num, core.reducers)
 
 
-def _per_device(dp, plans, core, acc_leaves, seeded, static,
-                params, batch, rng, model_state, scale, num_real, seeds):  # fmt: skip
-  """``over_mesh``'s body on one device: its rows' scan, then the reduction over devices."""
-  per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
-  if not per_mb:  # gathered once, before the scan
-    params = _per_leaf(lambda x, p: x if p.outside else p.gather(x), params, plans)
-  if rng is not None:
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
-  # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
-  # or this device's share of the seeds.
-  it, factor = iter(seeds), core.seed_factor(dp.size)
-  acc0 = treedef.unflatten([
-    p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
-    for x, a, p, s in zip(jax.tree.leaves(params), acc_leaves, plans, seeded, strict=True)
-  ])  # fmt: skip
-  hook = PerMicrobatch(tuple(plans), dp.axes) if per_mb else None
-  w = core.local_sums(params, batch, rng, acc0, model_state, scale, num_real, dp.axes, hook)
-  static["window"] = w
-  dtypes = treedef.unflatten([jnp.result_type(a) for a in acc_leaves])
-  sums, noise = reduce_sums(
-    plans, w.sums, w.noise, dp.axes, core.reducers, scattered=per_mb, dtypes=dtypes
-  )
-  sums, noise = core.per_device(sums, noise, dp.size, w.num)
-  return sums, noise, reduce_state(w.model_state, dp.axes)
+@dataclasses.dataclass(frozen=True)
+class _OverMesh:
+  """:func:`over_mesh`'s body on one device: its rows' scan, then the reduction over devices;
+  ``shapes["like"]``: one micro-batch's loss and aux (static), set when it is traced."""
+
+  dp: DataParallel
+  core: Any  # a MicrobatchedGrad
+  plans: tuple[_LeafPlan, ...]
+  acc_leaves: tuple[Any, ...]  # the accumulator the window's gradients are added to
+  seeded: tuple[bool, ...]  # per leaf: whether the scan starts from this device's share of it
+  shapes: dict
+
+  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple[Sums, Any, Any]:
+    dp, plans, core = self.dp, self.plans, self.core
+    params, rng = inputs.params, inputs.rng
+    per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
+    if not per_mb:  # gathered once, before the scan
+      params = _per_leaf(lambda x, p: x if p.outside else p.gather(x), params, plans)
+    if rng is not None:
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
+    # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
+    # or this device's share of the seeds.
+    it, factor = iter(seeds), core.seed_factor(dp.size)
+    acc0 = treedef.unflatten([
+      p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
+      for x, a, p, s in zip(jax.tree.leaves(params), self.acc_leaves, plans, self.seeded, strict=True)
+    ])  # fmt: skip
+    hook = PerMicrobatch(plans, dp.axes) if per_mb else None
+    inputs = inputs._replace(params=params, rng=rng)
+    w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook)
+    self.shapes["like"] = (w.loss_like, w.aux_like)
+    dtypes = treedef.unflatten([jnp.result_type(a) for a in self.acc_leaves])
+    sums, noise = reduce_sums(
+      plans, w.sums, w.noise, dp.axes, core.reducers, scattered=per_mb, dtypes=dtypes
+    )
+    sums, noise = core.per_device(sums, noise, dp.size, w.num)
+    return sums, noise, reduce_state(w.model_state, dp.axes)
 
 
-def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_plans: list) -> tuple:
-  """``over_mesh``'s arguments laid out for its ``shard_map``: params ``outside`` gathered over the
+def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:
+  """``over_mesh``'s inputs laid out for its ``shard_map``: params ``outside`` gathered over the
   data axes; on an explicit mesh all as the in_specs say, the rest replicated over them only."""
   mesh, explicit = dp.mesh, _explicit(dp.mesh)
-  params, batch, *rest = args
+  params, batch, *rest = inputs
   if explicit or any(p.outside for p in plans):
     params = _per_leaf(
       lambda x, p: place(x, mesh, p.model_spec if p.outside else p.spec), params, plans
@@ -556,7 +560,7 @@ def _laid_out(dp: DataParallel, plans: list, args: tuple, seeds: tuple, seed_pla
   if explicit:
     batch, rest = _rows_and_rest(dp, batch, rest)
     seeds = tuple(place(a, mesh, p.spec) for a, p in zip(seeds, seed_plans, strict=True))
-  return (params, batch, *rest), seeds
+  return Inputs(params, batch, *rest), seeds
 
 
 def reduce_state(model_state: Any, axes: tuple[str, ...]) -> Any:
@@ -669,33 +673,35 @@ class Slots:
     aux = jax.tree.map(lambda x, r: one(x, fill=r.start(jnp.result_type(x))), sums.aux, records)
     return rest._replace(grads=grads, aux=aux), noise
 
-  def local(self, local: Callable[..., Any], params, mb, rng, own, model_state, scale):
-    """``local(params, mb, rng, own, model_state, scale, axes) -> ((sums, noise), model_state)``
-    of a micro-batch: with a mesh every device's of its rows, in its own slot, with no gradient
-    collective (data-sharded params gathered by GSPMD before), the model state reduced."""
+  def local(self, local: Callable[..., Any], inputs: Inputs, own: Any) -> Any:
+    """``local(inputs, own, axes) -> ((sums, noise), model_state)`` of a micro-batch
+    (``inputs.batch``): with a mesh every device's of its rows, in its own slot, with no
+    gradient collective (data-sharded params gathered by GSPMD before), the model state
+    reduced."""
     dp = self.dp
     if dp is None:
-      return local(params, mb, rng, own, model_state, scale, ())
-    axes, mesh, plans = dp.axes, dp.mesh, leaf_plans(dp, params)
-    params = _per_leaf(lambda x, p: place(x, mesh, p.model_spec), params, plans)
+      return local(inputs, own, ())
+    axes, mesh, plans = dp.axes, dp.mesh, leaf_plans(dp, inputs.params)
+    params = _per_leaf(lambda x, p: place(x, mesh, p.model_spec), inputs.params, plans)
 
-    def per_device(params, mb, rng, own, model_state, scale):
-      if rng is not None:
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+    def per_device(inputs, own):
+      if inputs.rng is not None:
+        inputs = inputs._replace(rng=jax.random.fold_in(inputs.rng, jax.lax.axis_index(axes)))
       own = jax.tree.map(lambda x: x[0], own)
-      new, new_model_state = local(params, mb, rng, own, model_state, scale, axes)
+      new, new_model_state = local(inputs, own, axes)
       return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
 
+    mb, rest = inputs.batch, list(inputs[2:])
     if _explicit(mesh):
       slot, (partial, noise) = self._spec(), own
       grad_specs = _per_leaf(lambda _, p: self._spec(p.model_spec), partial.grads, plans)
       specs = (Sums(grad_specs, slot, slot, self._specs(partial.aux)), self._specs(noise))
       own = jax.tree.map(lambda x, s: place(x, mesh, s), own, specs)
-      mb, (model_state, scale) = _rows_and_rest(dp, mb, (model_state, scale))
+      mb, rest = _rows_and_rest(dp, mb, rest)
     own_specs = self._specs(own)
-    in_specs = (P(), dp.batch_spec, P(), own_specs, P(), P())
+    in_specs = (Inputs(P(), dp.batch_spec, P(), P(), P(), P()), own_specs)
     add = shard_map_over_data(per_device, dp, in_specs, (own_specs, P()))
-    return add(params, mb, rng, own, model_state, scale)
+    return add(Inputs(params, mb, *rest), own)
 
   def reduce(self, params: Any, own: tuple[Sums, Any], reducers: Any) -> tuple[Sums, Any]:
     """The window's sums: the slots reduced (:func:`reduce_sums`: one all-reduce,

@@ -26,6 +26,7 @@ from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import NoiseSums, add_window
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
+  Inputs,
   keep_if_voided,
   keeps_running_means,
   merge_gradients,
@@ -106,7 +107,7 @@ def train_step(
   )  # fmt: skip
 
   def build(o: Options, jit: bool = True):
-    fused = fused_step(o, acc, in_place=donate and jit)
+    fused = fused_step(o, acc, donated=donate and jit)
 
     def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
       return fused(params, model_state, state, batch, rng, num_real_microbatches)
@@ -145,9 +146,9 @@ class JitStep:
     return getattr(self._jitted, name)
 
 
-def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callable[..., Any]:
+def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable[..., Any]:
   """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
-  metrics)``: one window, scanned and closed; ``in_place``: params and state are donated."""
+  metrics)``: one window, scanned and closed; ``donated``: params and state are donated."""
   acc = tx.settings
   k = tx.fixed_num_microbatches(opts.where)
   mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
@@ -165,19 +166,21 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
     # buffer when donated, so a window holds one accumulator. A running mean restarts from 0.
     seeded = not keeps_running_means(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
-    window = mg.sums(params, batch, rng, init, model_state, scale, num_real, in_buffer=seeded)
+    window = mg.sums(Inputs(params, batch, rng, model_state, scale, num_real), init, seeded)
     sums = window.sums
     if seeded:  # close writes the new zeros (donated: over the sums, after the update)
       acc_grads, cleared = sums.grads, None
     else:
-      acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, in_place)
+      acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, donated)
     weight = state.acc_weight + sums.weight
     if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
       state = state._replace(noise_scale=add_window(state.noise_scale, window.noise))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    mode = "loop" if in_place else "select"
-    closed = acc.close(acc_grads, weight, state, trained, trained, extra, mode, dp is None)
+    mode = "loop" if donated else "select"
+    closed = acc.close(
+      acc_grads, weight, state, trained, trained, extra, mode=mode, norm_by_rows=dp is None
+    )
     new_state = closed.state
 
     def placed(tree):  # as the params are sharded (fp8: as the variables' "params")
@@ -201,12 +204,12 @@ def fused_step(opts: Options, tx: Accumulate, in_place: bool = False) -> Callabl
 
 
 def merge_open_window(
-  state: AccumulateState, grads: Any, weight: jax.Array, in_place: bool
+  state: AccumulateState, grads: Any, weight: jax.Array, donated: bool
 ) -> tuple[Any, Any]:
   """``(grads plus the sums of a window left open by streaming calls, the new accumulator's
-  zeros)``. ``in_place`` (donated): merged in a loop of 0 or 1 trips that runs only when a
+  zeros)``. ``donated``: merged in a loop of 0 or 1 trips that runs only when a
   window is open; otherwise the accumulator holds zeros and passes through (XLA copies nothing)."""
-  if not in_place:
+  if not donated:
     merged = merge_gradients(state.acc_grads, state.acc_weight, grads, weight)
     return merged, jax.tree.map(jnp.zeros_like, state.acc_grads)
   is_open = state.micro_step > 0
