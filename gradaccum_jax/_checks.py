@@ -274,88 +274,8 @@ def check_real_microbatches(num_real: Any, k: int) -> jax.Array | None:
   return arr.astype(jnp.int32)
 
 
-BATCHNORM_MODES = ("sequential", "per_window", "frozen")
-
-
-def check_batchnorm(
-  batchnorm: str, momentum: float | None, has_state: bool, *, from_model: bool = False
-) -> None:
-  """Checks the BatchNorm mode and momentum (``from_model``: read later from the model)."""
-  if batchnorm not in BATCHNORM_MODES:
-    raise ValueError(f"Unknown {batchnorm=}; use one of {', '.join(map(repr, BATCHNORM_MODES))}.")
-  if momentum is not None:
-    real = isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
-    if not (real and 0.0 <= float(momentum) < 1.0):
-      raise ValueError(
-        f"batchnorm_momentum={momentum!r} must be a float in [0, 1): the momentum m of the"
-        " BatchNorm running averages (new = m * old + (1 - m) * batch statistic)."
-      )
-  if batchnorm != "sequential" and not has_state:
-    raise ValueError(
-      f"{batchnorm=} needs the model state: pass has_state=True and a loss_fn(params,"
-      " model_state, microbatch) that returns the new model state."
-    )
-  if batchnorm == "per_window" and not from_model and momentum is None:
-    raise ValueError(
-      "batchnorm='per_window' needs batchnorm_momentum, the momentum m of the running"
-      " averages (new = m * old + (1 - m) * batch statistic, 0 <= m < 1; flax's default is"
-      f" 0.99), got {momentum!r}."
-    )
-
-
-def check_state_like(new_state: Any, model_state: Any) -> None:
-  """The loss must return a model state with the structure, shapes and dtypes it was given."""
-  if new_state is None and model_state is not None:
-    raise TypeError(
-      "With has_state=True, loss_fn must return (loss, new_model_state) (or (loss, (aux,"
-      " new_model_state)) with has_aux), but the new model state is None. Return the"
-      " updated state, e.g. the 'batch_stats' from module.apply(..., mutable=['batch_stats'])."
-    )
-  ndef, odef = jax.tree.structure(new_state), jax.tree.structure(model_state)
-  if ndef != odef:
-    raise ValueError(
-      "The model state returned by loss_fn has another structure than the one it was given;"
-      " it must stay the same across micro-batches.\n"
-      f"  given:    {odef}\n  returned: {ndef}"
-    )
-  for (path, n), o in zip(
-    jax.tree_util.tree_leaves_with_path(new_state), jax.tree.leaves(model_state), strict=True
-  ):
-    if jnp.shape(n) != jnp.shape(o) or jnp.result_type(n) != jnp.result_type(o):
-      raise ValueError(
-        f"The model state leaf {jax.tree_util.keystr(path)} came back as"
-        f" {jnp.result_type(n)}{list(jnp.shape(n))}, but was given as"
-        f" {jnp.result_type(o)}{list(jnp.shape(o))}; it must keep its shape and dtype."
-      )
-
-
 def check_budget(budget: Any, where: str) -> None:
   """``memory_budget_bytes``, checked: a number of bytes > 0."""
   must = f"{where}: memory_budget_bytes={budget!r} must be"
   if not check_real(budget, f"{must} a number of bytes") > 0:
     raise ValueError(f"{must} > 0.")
-
-
-def check_global_batch(batch: Any, dp: Any, k: int) -> None:
-  """``batch``'s size, a multiple of the ``dp.size`` data-parallel devices times ``k``."""
-  batch_size = check_batch(batch, 1)
-  if batch_size % (dp.size * k):
-    raise ValueError(
-      f"The global batch size B={batch_size} is not divisible by {dp.size * k} = {dp.size}"
-      f" devices on the data axes {dp.axes} x num_microbatches k={k}: every device splits"
-      f" its B / {dp.size} rows into {k} micro-batches. Use a batch size that is a multiple"
-      f" of {dp.size * k}."
-    )
-
-
-def check_linen_args(inputs: Any, train_kwargs: Any, rng_collections: Any) -> tuple[str, ...]:
-  """``linen_train_step``'s ``inputs``, ``train_kwargs`` and ``rng_collections`` checked; the
-  collections' names as a tuple."""
-  names = (rng_collections,) if isinstance(rng_collections, str) else tuple(rng_collections)
-  if not (isinstance(inputs, str) or callable(inputs)):
-    raise TypeError(f"{inputs=} must be a batch key or a callable microbatch -> apply's arguments.")
-  if train_kwargs is not None and not isinstance(train_kwargs, dict):
-    raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
-  if not all(isinstance(n, str) for n in names):
-    raise TypeError(f"{rng_collections=} must be flax RNG collection names, e.g. ('dropout',).")
-  return names

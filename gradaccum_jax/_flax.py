@@ -9,7 +9,6 @@ from typing import Any
 import jax
 
 from gradaccum_jax._accumulate import as_accumulate
-from gradaccum_jax._checks import check_linen_args
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._options import LossSpec, Options, make_options, split_output
 from gradaccum_jax._parts import overwrite_key
@@ -243,3 +242,16 @@ def linen_train_step(
   )  # fmt: skip
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   return gathered(lambda o, j: _linen_step(model, o, donate, j), opts, jit)
+
+
+def check_linen_args(inputs: Any, train_kwargs: Any, rng_collections: Any) -> tuple[str, ...]:
+  """``linen_train_step``'s ``inputs``, ``train_kwargs`` and ``rng_collections`` checked; the
+  collections' names as a tuple."""
+  names = (rng_collections,) if isinstance(rng_collections, str) else tuple(rng_collections)
+  if not (isinstance(inputs, str) or callable(inputs)):
+    raise TypeError(f"{inputs=} must be a batch key or a callable microbatch -> apply's arguments.")
+  if train_kwargs is not None and not isinstance(train_kwargs, dict):
+    raise TypeError(f"{train_kwargs=} must be a dict of keyword arguments of module.apply.")
+  if not all(isinstance(n, str) for n in names):
+    raise TypeError(f"{rng_collections=} must be flax RNG collection names, e.g. ('dropout',).")
+  return names

@@ -12,12 +12,11 @@ import jax.numpy as jnp
 
 from gradaccum_jax._checks import (
   check_aux_reduce,
-  check_batchnorm,
   check_bool,
   check_float_dtype,
   check_function,
-  check_state_like,
 )
+from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._checks import check_budget, check_choice, check_global_batch, is_inexact
+from gradaccum_jax._checks import check_batch, check_budget, check_choice, is_inexact
 from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import (
   COLLECTIVES,
@@ -109,6 +109,18 @@ def make_data_parallel(
     needs = f"{where}: gather_params='auto' compares the policies' compiled memory with a budget"
     budget = int(memory_budget_bytes or device_memory_budget(mesh.devices.flat[0], needs))
   return DataParallel(mesh, axes, param_specs, gather_params, budget)
+
+
+def check_global_batch(batch: Any, dp: Any, k: int) -> None:
+  """``batch``'s size, a multiple of the ``dp.size`` data-parallel devices times ``k``."""
+  batch_size = check_batch(batch, 1)
+  if batch_size % (dp.size * k):
+    raise ValueError(
+      f"The global batch size B={batch_size} is not divisible by {dp.size * k} = {dp.size}"
+      f" devices on the data axes {dp.axes} x num_microbatches k={k}: every device splits"
+      f" its B / {dp.size} rows into {k} micro-batches. Use a batch size that is a multiple"
+      f" of {dp.size * k}."
+    )
 
 
 def varying_axes(x: Any) -> frozenset:
