@@ -36,7 +36,7 @@ from gradaccum_jax._parts import (
   add_gradients,
   mean_of,
   over_slots,
-  refuse_overwrite,
+  refuse_overwritten,
   sq_norm,
   zeros_accumulator,
 )
@@ -358,7 +358,7 @@ class Accumulator:
     weight: Any = None, **extra_args: Any,
   ) -> tuple[Updates, AccumulateState]:  # fmt: skip
     state = self.check_state(state)
-    refuse_overwrite(grads, "grads", "tx.update")
+    refuse_overwritten(grads, "grads", "tx.update")
     check_same_structure(grads, state.acc_grads, "grads")
     check_trainable(grads, "grads")
     wt = Weighting(None if weight is None else check_weight)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -11,7 +11,7 @@ import jax
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._options import LossSpec, Options, make_options, split_output
-from gradaccum_jax._parts import overwrite_key
+from gradaccum_jax._parts import Overwritten, register_overwrite
 from gradaccum_jax._train_step import JitStep, fused_step
 
 
@@ -57,7 +57,7 @@ class _LinenModel:
   def apply(self, params, batch_stats, mb, key, with_stats):
     """``(output, new batch_stats)`` (``batch_stats`` unchanged without ``with_stats``)."""
     # fp8: params are the variables {"params", "_overwrite_with_gradient"} (Flax's TrainState)
-    fp8 = overwrite_key(params, "linen_train_step") is not None
+    fp8 = fp8_overwritten(params, "params", "linen_train_step") is not None
     variables = dict(params) if fp8 else {"params": params}
     variables.update({"batch_stats": batch_stats} if with_stats else {})
     keyed = () if key is None else enumerate(self.collections)
@@ -255,3 +255,43 @@ def check_linen_args(inputs: Any, train_kwargs: Any, rng_collections: Any) -> tu
   if not all(isinstance(n, str) for n in names):
     raise TypeError(f"{rng_collections=} must be flax RNG collection names, e.g. ('dropout',).")
   return names
+
+
+OVERWRITE = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+def _split(variables: Any) -> tuple[Any, Any]:
+  return variables["params"], variables[OVERWRITE]
+
+
+def _join(variables: Any, trained: Any, overwrite: Any) -> Any:
+  new = {"params": trained, OVERWRITE: overwrite}
+  return new if type(variables) is dict else type(variables)(new)
+
+
+_FP8 = Overwritten(
+  _split,
+  _join,
+  name=f"Flax's {OVERWRITE!r} collection (fp8 amax histories and scales)",
+  instead="Use ga.train_step or ga.linen_train_step (the state made by"
+  " tx.init(variables['params']), as Flax's TrainState.create does).",
+)
+
+
+def fp8_overwritten(tree: Any, what: str, where: str) -> Overwritten | None:
+  """Flax's fp8 collection as :class:`_parts.Overwritten` if ``tree`` is the variables
+  ``{"params": ..., OVERWRITE: ...}`` (docs/usage.md, "FP8"); a ValueError for other
+  collections beside them."""
+  if not (isinstance(tree, Mapping) and OVERWRITE in tree):
+    return None
+  if set(tree) != {"params", OVERWRITE}:
+    raise ValueError(
+      f"{where}: {what} holds Flax's {OVERWRITE!r} collection (fp8) and"
+      f" {sorted(set(tree) - {OVERWRITE, 'params'})} beside 'params': pass the variables"
+      " {'params': ..., '_overwrite_with_gradient': ...} only, other collections as model state"
+      " (has_state=True)."
+    )
+  return _FP8
+
+
+register_overwrite(fp8_overwritten)

@@ -29,7 +29,7 @@ from gradaccum_jax._checks import (
 from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Inputs, Sums, keep_if_voided, refuse_overwrite, window_means
+from gradaccum_jax._parts import Inputs, Sums, keep_if_voided, refuse_overwritten, window_means
 from gradaccum_jax._sharding import Slots, place_params
 
 
@@ -178,7 +178,7 @@ class MicroStep:
 
   def _step(self, params, model_state, state, microbatch, rng):
     check_trainable(params, where="micro_step")
-    refuse_overwrite(params, "params", "micro_step")
+    refuse_overwritten(params, "params", "micro_step")
     state = self._layout.place(state, params, microbatch, model_state, rng)
     acc_state, slots = state.accumulate, self._slots
     slots.check_rows(check_batch(microbatch, 1))

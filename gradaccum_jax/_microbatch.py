@@ -24,13 +24,13 @@ from gradaccum_jax._parts import (
   Inputs,
   Micro,
   Off,
+  Overwritten,
   Sums,
   SumsUnit,
   Window,
   keeps_running_means,
   mean_of,
-  overwrite_key,
-  with_params,
+  overwritten,
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map, to_varying
@@ -125,21 +125,22 @@ CARRIED_BECAUSE = {
 
 @dataclasses.dataclass(frozen=True)
 class Fp8:
-  """Flax's fp8 collection ``key`` under accumulation (docs/usage.md, "FP8"): each micro-batch's
-  loss scaled by ``w / total`` before it is differentiated (the whole batch's cotangent, which
-  the output-gradient amax sees), its gradient scaled back for the sums (``w g``), and the
-  collection's "gradient", its new value, handed on as an aux leaf that ``"max_all"`` reduces."""
+  """Params partly overwritten (``ov``, :class:`_parts.Overwritten`: Flax's fp8 collection)
+  under accumulation: each micro-batch's loss scaled by ``w / total`` before it is
+  differentiated (the whole batch's cotangent, which the output-gradient amax sees), its
+  gradient scaled back for the sums (``w g``), and the overwritten part's "gradient", its new
+  value, handed on as an aux leaf that ``"max_all"`` reduces."""
 
-  key: str
+  ov: Overwritten
   total: jax.Array  # the window's total weight, over the devices too
 
   @classmethod
-  def make(cls, key, weighting: Any, batch: Any, k: int, num: Any, vary: tuple) -> Fp8:
+  def make(cls, ov, weighting: Any, batch: Any, k: int, num: Any, vary: tuple) -> Fp8:
     """The window's total weight, known before the loop (the real micro-batches' weights)."""
     if not weighting.weighted:
-      return cls(key, jnp.asarray(num, jnp.float32) * (jax.lax.psum(1, vary) if vary else 1))
+      return cls(ov, jnp.asarray(num, jnp.float32) * (jax.lax.psum(1, vary) if vary else 1))
     total = window_weight(weighting, batch, k, num)
-    return cls(key, jax.lax.psum(total, vary) if vary else total)
+    return cls(ov, jax.lax.psum(total, vary) if vary else total)
 
   def seed(self, w: jax.Array, scale: jax.Array | None) -> jax.Array:
     ok = self.total > 0  # else a void window: nothing is added
@@ -147,24 +148,24 @@ class Fp8:
     return part if scale is None else part * scale
 
   def split(self, grads: Any, aux: Any, w: jax.Array) -> tuple[Any, Any]:
-    """``(the gradients as the sums take them, (aux, the collection's new value))``."""
+    """``(the gradients as the sums take them, (aux, the overwritten part's new value))``."""
     back = jnp.where(w > 0, self.total / jnp.where(w > 0, w, 1), 0)  # 1 / the seed's part
 
     def scaled_back(g):
       wide = jnp.promote_types(g.dtype, jnp.float32)
       return g.astype(wide) * back.astype(wide)
 
-    trained = jax.tree.map(scaled_back, grads["params"])
-    zeros = jax.tree.map(jnp.zeros_like, grads[self.key])  # the collection adds nothing
-    return with_params(grads, trained, zeros), (aux, grads[self.key])
+    trained, new = self.ov.split(grads)
+    zeros = jax.tree.map(jnp.zeros_like, new)  # the overwritten part adds nothing
+    return self.ov.join(grads, jax.tree.map(scaled_back, trained), zeros), (aux, new)
 
-  @staticmethod
-  def window(w: Window, reducers: AuxReducers) -> Window:
-    """The window of the trained params (``w``'s sums of the variables): the collection's
-    reduced "gradient", its new value, in ``overwrite``."""
-    (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
-    sums = w.sums._replace(grads=w.sums.grads["params"], aux=aux)
-    return w._replace(sums=sums, aux_like=aux_like, reducers=reducers, overwrite=new)
+
+def trained_window(w: Window, ov: Overwritten, reducers: AuxReducers) -> Window:
+  """The window of the trained params (``w``'s sums of all the params): the overwritten part's
+  reduced "gradient", its new value, in ``overwrite``."""
+  (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
+  sums = w.sums._replace(grads=ov.split(w.sums.grads)[0], aux=aux)
+  return w._replace(sums=sums, aux_like=aux_like, reducers=reducers, overwrite=new)
 
 
 def _in_place_refs(acc, weighting, batch, k, num, vary) -> tuple[Any, jax.Array | None]:
@@ -210,7 +211,7 @@ class MicrobatchedGrad:
   options: Options
   num_microbatches: int
   noise_sums: bool = False  # also sum w_i |g_i|^2 for the noise scale (Window.noise)
-  overwrite: str | None = None  # fp8 (Flax variables in params): the collection overwritten
+  overwrite: Overwritten | None = None  # params partly overwritten (fp8: _flax), else None
 
   def carried_because(self, params, acc_init, per_micro, loss: Callable[[], Any]) -> str | None:
     """None if the backward pass adds each gradient into the accumulator in place
@@ -239,22 +240,21 @@ class MicrobatchedGrad:
       return "narrow_loss"
     return None
 
-  def sums(self, inputs: Inputs, acc_init: Any, in_buffer: bool = False) -> Window:
+  def sums(self, inputs: Inputs, acc_init: Any, in_buffer=False, overwrite=None) -> Window:
     """The window sums of ``inputs.batch``, its gradients added to ``acc_init`` (zeros for a
     running mean leaf); on the mesh if set, where the scan starts from ``acc_init`` only with
     ``in_buffer`` (a donated step's accumulator) and where a device holds its share, else adds
-    it after."""
-    params = inputs.params
+    it after. ``overwrite``: the params' overwritten part (``_parts.overwritten``), if any."""
+    params, dp, ov = inputs.params, self.options.parallel, overwrite
     check_trainable(params, where=self.options.where)
-    dp, ow = self.options.parallel, overwrite_key(params, self.options.where)
-    core = self if ow is None else dataclasses.replace(self, overwrite=ow)
-    if ow is not None:  # fp8: the collection's zeros beside the trained params' sums
-      acc_init = with_params(params, acc_init, jax.tree.map(jnp.zeros_like, params[ow]))
+    core = self if ov is None else dataclasses.replace(self, overwrite=ov)
+    if ov is not None:  # its zeros beside the trained params' sums
+      acc_init = ov.join(params, acc_init, jax.tree.map(jnp.zeros_like, ov.split(params)[1]))
     if dp is None:
       w = core.local_sums(inputs, acc_init)
     else:
       w = over_mesh(dp, core, inputs, acc_init, in_buffer)
-    return w if ow is None else Fp8.window(w, self.reducers)
+    return w if ov is None else trained_window(w, ov, self.reducers)
 
   def _noise_unit(self) -> NoiseUnit | Off:
     return NoiseUnit(self.options.weighting) if self.noise_sums else Off()
@@ -283,10 +283,10 @@ class MicrobatchedGrad:
     ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
     micro-batch, and the gradients are reduced into an accumulator shaped like the shards."""
     params, batch, rng, model_state, scale, num_real = inputs
-    k, opts, ow = self.num_microbatches, self.options, self.overwrite
+    k, opts, ov = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
-    fp8 = None if ow is None else Fp8.make(ow, opts.weighting, batch, k, num, vary)
+    fp8 = None if ov is None else Fp8.make(ov, opts.weighting, batch, k, num, vary)
     grad_fn = jax.value_and_grad(self.options.objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
@@ -420,15 +420,15 @@ def value_and_grad(
 
   def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
     num_real = check_real_microbatches(num_real_microbatches, k)
-    # fp8 variables: the collection's "gradient" is its window's new value
-    ow = overwrite_key(params, "value_and_grad")
-    trained = params if ow is None else params["params"]
+    # params partly overwritten (fp8): that part's "gradient" is its window's new value
+    ov = overwritten(params, "value_and_grad")
+    trained = params if ov is None else ov.split(params)[0]
     zeros = zeros_accumulator(trained, accum_dtype)
-    w = mg.sums(Inputs(params, batch, rng, model_state, None, num_real), zeros)
+    w = mg.sums(Inputs(params, batch, rng, model_state, None, num_real), zeros, overwrite=ov)
     grads = jax.tree.map(
       lambda a, p: a.astype(jnp.result_type(p)), mean_of(w.sums.grads, w.sums.weight), trained
     )
-    grads = grads if ow is None else with_params(params, grads, w.overwrite)
+    grads = grads if ov is None else ov.join(params, grads, w.overwrite)
     loss, aux = w.means()
     return opts.loss.pack(loss, aux, w.model_state), grads
 

@@ -56,42 +56,42 @@ class Sums(NamedTuple):
     return Sums(grads, self.weight + more.weight, loss, aux)
 
 
-OVERWRITE = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT
+@dataclasses.dataclass(frozen=True)
+class Overwritten:
+  """Params part of which is overwritten once per window, not trained (an adapter's: Flax's fp8
+  collection, ``_flax.fp8_overwritten``): that part's "gradient" is its new value, the maximum
+  over the window's micro-batches, each differentiated at the whole batch's cotangent scale;
+  written after the window, kept if it is voided (docs/usage.md, "FP8")."""
+
+  split: Callable[[Any], tuple[Any, Any]]  # params -> (trained, overwritten)
+  join: Callable[[Any, Any, Any], Any]  # (params, trained, overwritten) -> params of its type
+  name: str  # what the overwritten part is, for errors
+  instead: str  # what a streaming call's user does instead
 
 
-def overwrite_key(params: Any, where: str) -> str | None:
-  """``OVERWRITE`` if ``params`` is a Flax variables dict ``{"params": ..., OVERWRITE: ...}``
-  (fp8: that collection's "gradient" is its new value, written over the old once per window,
-  docs/usage.md, "FP8"), else None."""
-  if not (isinstance(params, Mapping) and OVERWRITE in params):
-    return None
-  if set(params) != {"params", OVERWRITE}:
+# Adapters ``(tree, what, where) -> Overwritten | None`` (a ValueError for a tree they cannot
+# take), registered by the front ends that define them (:func:`register_overwrite`).
+_ADAPTERS: list[Callable[[Any, str, str], Overwritten | None]] = []
+
+
+def register_overwrite(adapter: Callable[[Any, str, str], Overwritten | None]) -> None:
+  _ADAPTERS.append(adapter)
+
+
+def overwritten(tree: Any, where: str, what: str = "params") -> Overwritten | None:
+  """The :class:`Overwritten` an adapter finds in ``tree`` (``what``: its name in errors)."""
+  return next((o for o in (a(tree, what, where) for a in _ADAPTERS) if o is not None), None)
+
+
+def refuse_overwritten(tree: Any, what: str, where: str) -> None:
+  """A ValueError, before any work, for an overwritten part in a streaming call's ``tree``."""
+  found = overwritten(tree, where, what)
+  if found is not None:
     raise ValueError(
-      f"{where}: params holds Flax's {OVERWRITE!r} collection (fp8) and"
-      f" {sorted(set(params) - {OVERWRITE, 'params'})} beside 'params': pass the variables"
-      " {'params': ..., '_overwrite_with_gradient': ...} only, other collections as model state"
-      " (has_state=True)."
+      f"{where}: {what} holds {found.name}: its window value is the max over the micro-batches,"
+      " each backward pass scaled by the window's total weight, which a call on one"
+      f" micro-batch cannot know. {found.instead}"
     )
-  return OVERWRITE
-
-
-def refuse_overwrite(tree: Any, what: str, where: str) -> None:
-  """A ValueError, before any work, for Flax's fp8 collection in a streaming call's ``tree``."""
-  if isinstance(tree, Mapping) and OVERWRITE in tree:
-    raise ValueError(
-      f"{where}: {what} holds Flax's {OVERWRITE!r} collection (fp8 amax histories and scales):"
-      " its window value is the max over the micro-batches, each backward pass scaled by the"
-      " window's total weight, which a call on one micro-batch cannot know. Use ga.train_step"
-      " or ga.linen_train_step (the state made by tx.init(variables['params']), as Flax's"
-      " TrainState.create does)."
-    )
-
-
-def with_params(variables: Any, trained: Any, overwrite: Any) -> Any:
-  """``variables`` (a Flax variables dict, of its own type) with new ``"params"`` and fp8
-  collection."""
-  new = {"params": trained, OVERWRITE: overwrite}
-  return new if type(variables) is dict else type(variables)(new)
 
 
 def sum_dtype(like: Any) -> Any:
@@ -574,7 +574,7 @@ class Window(NamedTuple):
   aux_like: Any  # ... and aux
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
   reducers: AuxReducers = AuxReducers()
-  overwrite: Any = None  # fp8: the max of the overwrite collection's "gradients" (else None)
+  overwrite: Any = None  # an overwritten part's new value (Overwritten; fp8), else None
 
   def means(self) -> tuple[jax.Array, Any]:
     """The weighted mean loss and the reduced aux (:func:`window_means`)."""

@@ -30,8 +30,7 @@ from gradaccum_jax._parts import (
   keep_if_voided,
   keeps_running_means,
   merge_gradients,
-  overwrite_key,
-  with_params,
+  overwritten,
 )
 from gradaccum_jax._sharding import place_params
 
@@ -156,17 +155,19 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
 
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)
-    # fp8 variables: the optimizer trains params["params"], as Flax's TrainState does
-    ow = overwrite_key(params, opts.where)
-    trained = params if ow is None else params["params"]
-    check_same_structure(trained, state.acc_grads, "params" if ow is None else "params['params']")
+    # Params partly overwritten (fp8 variables): the optimizer trains the rest, as Flax's
+    # TrainState trains the variables' "params" collection
+    ov = overwritten(params, opts.where)
+    trained, kept = (params, None) if ov is None else ov.split(params)
+    check_same_structure(trained, state.acc_grads, "params" if ov is None else "the trained params")
     num_real = check_real_microbatches(num_real, k)
     scale = None if state.loss_scale is None else state.loss_scale.scale
     # The scan adds onto the state's accumulator (zeros, or a streaming window's sums), in its
     # buffer when donated, so a window holds one accumulator. A running mean restarts from 0.
     seeded = not keeps_running_means(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
-    window = mg.sums(Inputs(params, batch, rng, model_state, scale, num_real), init, seeded)
+    inputs = Inputs(params, batch, rng, model_state, scale, num_real)
+    window = mg.sums(inputs, init, seeded, overwrite=ov)
     sums = window.sums
     if seeded:  # close writes the new zeros (donated: over the sums, after the update)
       acc_grads, cleared = sums.grads, None
@@ -183,17 +184,17 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     )
     new_state = closed.state
 
-    def placed(tree):  # as the params are sharded (fp8: as the variables' "params")
-      if ow is None:
+    def placed(tree):  # as the trained params are sharded
+      if ov is None:
         return place_params(dp, tree)
-      return place_params(dp, with_params(params, tree, params[ow]))["params"]
+      return ov.split(place_params(dp, ov.join(params, tree, kept)))[0]
 
     cleared = new_state.acc_grads if cleared is None else cleared
     new_state = new_state._replace(acc_grads=placed(cleared))
     new_params = placed(closed.out)
-    if ow is not None:  # written over the old values once per window, kept if it is voided
-      new = keep_if_voided(new_state.updated, window.overwrite, params[ow])
-      new_params = with_params(params, new_params, new)
+    if ov is not None:  # written over the old values once per window, kept if it is voided
+      new = keep_if_voided(new_state.updated, window.overwrite, kept)
+      new_params = ov.join(params, new_params, new)
     # A voided window restores float model state (statistics), counters advance; None stays None.
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)

@@ -51,6 +51,20 @@ def test_no_import_cycle_and_no_imports_inside_functions():
     visit(node)
 
 
+def test_only_the_flax_front_end_names_flax_s_fp8_collection():
+  """fp8 is an adapter of the Flax front end (``_flax.fp8_overwritten``) over the core's generic
+  hook for params partly overwritten once per window (``_parts.Overwritten``): no other module
+  names the collection or reads a variables dict's ``"params"``."""
+  for path in sorted(PACKAGE.glob("*.py")):
+    if path.name in ("_flax.py", "_nnx.py"):
+      continue
+    text = path.read_text()
+    assert "_overwrite_with_gradient" not in text, path.name
+    assert '["params"]' not in text and "['params']" not in text.replace(
+      "variables['params']", ""
+    ), path.name
+
+
 def test_no_module_imports_another_modules_private_names():
   """A module reaches another through the names the architecture page lists as its API."""
   found = []
