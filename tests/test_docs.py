@@ -9,6 +9,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_trees_close
@@ -90,6 +91,7 @@ def run_blocks(page, namespace=None):
 # Pages whose snippets start from nothing, each run by its own test below (the guide pages run by
 # test_docs_python_blocks_run continue the README's Quick start instead).
 STANDALONE = (
+  "architecture.md",
   "migrating.md",
   "models.md",
   *(f"api/{p.name}" for p in sorted((DOCS / "api").glob("*.md"))),
@@ -135,6 +137,20 @@ def test_models_nnx_check_equivalence():
   assert (int(optimizer.step[...]), int(optimizer.opt_state.count[...])) == (1, 1)
   after = float(ns["model_loss"](ns["model"], ns["batch"]))
   assert float(ns["token_loss"](ns["params"], ns["batch"])) == after != float(ns["whole_loss"])
+
+
+def test_architecture_adds_a_statistic_with_one_table_entry():
+  """docs/architecture.md: a reducer defined on the page, one entry of the table, gives the
+  window's largest residual magnitude, the whole batch's."""
+  from gradaccum_jax import _parts
+
+  try:
+    ns = run_blocks(DOCS / "architecture.md")
+    batch = ns["stat_batch"]
+    whole = np.max(np.abs(np.asarray(batch["x"]) @ np.zeros(3) - np.asarray(batch["y"])))
+    assert float(ns["worst"]) == float(whole) == 8.0
+  finally:
+    _parts.REDUCERS.pop("abs_max", None)
 
 
 def test_migrating_snippets_match_their_before():
