@@ -25,7 +25,8 @@ def test_the_fused_step_holds_what_a_minimal_scan_holds_whatever_k(model):
   within 0.05 A: the scan adds into the state's accumulator, the update runs in place.
   Undonated, within 2.05 A of the undonated floor: the state's accumulator in and out. The
   excess does not grow with k, and neither does the donated step's temp memory."""
-  rows = {k: memory_floor.window_bytes(model, k) for k in KS}
+  ks = KS if model == "mlp" else (KS[0], KS[-1])  # the LM's compiles: the ends of the range
+  rows = {k: memory_floor.window_bytes(model, k) for k in ks}
   for k, row in rows.items():
     a = row["A"]
     assert row["ga"] <= row["min_scan"] + 0.05 * a, (k, row)
