@@ -103,7 +103,7 @@ def test_the_fp8_collection_moves():
       assert float(leaf[0]) > 0, path
 
 
-@pytest.mark.parametrize("mesh", [None, "data"])
+@pytest.mark.parametrize("mesh", [None, pytest.param("data", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_linen_train_step_equals_the_big_batch(k, mesh):
   ref = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=INNER)
@@ -122,7 +122,7 @@ def test_linen_train_step_equals_the_big_batch(k, mesh):
     assert "aux" not in metrics
 
 
-@pytest.mark.parametrize("mesh", [None, "data"])
+@pytest.mark.parametrize("mesh", [None, pytest.param("data", marks=pytest.mark.slow)])
 def test_token_weighted_windows_equal_the_big_batch(mesh):
   """Uneven real rows and a micro-batch of padding only: its rows still pass the forward (their
   inputs count in the input amax, as in the whole batch), its cotangent is 0."""

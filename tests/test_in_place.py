@@ -112,7 +112,13 @@ def test_in_place_equals_the_carried_path(case):
   assert bool(s1.updated) and all(np.isfinite(x).all() for x in jax.tree.leaves(p1))
 
 
-@pytest.mark.parametrize("layout", ["replicated", "fsdp_once", "fsdp_per_microbatch"])
+@pytest.mark.parametrize(
+  "layout",
+  [
+    "replicated",
+    *(pytest.param(x, marks=pytest.mark.slow) for x in ("fsdp_once", "fsdp_per_microbatch")),
+  ],
+)
 def test_in_place_on_a_mesh_equals_the_carried_path(layout):
   """8 devices, weighted with an empty micro-batch: FSDP gathered per micro-batch reduces each
   micro-batch's own gradient, so it is carried; the others go in place where JAX can."""

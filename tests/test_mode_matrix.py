@@ -518,6 +518,20 @@ RUNNERS = {
 # --- the cells ----------------------------------------------------------------------------
 
 
+FAST_ENTRIES = ("train_step", "micro_step")  # the two paths: the fused scan, the streaming slots
+
+
+def fast_cell(entry, dtype, mesh, weighted, state):
+  """The fast tier's cells (``-m "not slow"``): float32 through every entry point without a mesh
+  (Linen and NNX unweighted), float16 (a running mean) and float64 through the two paths; the
+  full suite runs every cell."""
+  if mesh is not None:
+    return False
+  if dtype == "float32":
+    return not (entry in ("linen", "nnx") and weighted)
+  return entry in FAST_ENTRIES and (dtype == "float16" or not state)
+
+
 def cells():
   """Every combination; on a mesh a narrow accumulator (each device's running mean, weighed
   by its weight in the one reduction) weighted without model state, and even with it."""
@@ -536,8 +550,7 @@ def cells():
               # paths (the fused step's reduction, micro_step's slots), bfloat16 by every entry.
               if weighted == state or (dtype == "float16" and entry not in FP16_MESH):
                 continue
-            cost = mesh is not None or (entry in ("linen", "nnx") and weighted)
-            marks = [pytest.mark.slow] if cost else []
+            marks = [] if fast_cell(entry, dtype, mesh, weighted, state) else [pytest.mark.slow]
             cell = Cell(entry, dtype, mesh, weighted, state)
             out.append(pytest.param(cell, id=str(cell), marks=marks))
   return out
@@ -606,7 +619,7 @@ def precision_cells():
             if mesh is not None and (compute == "float32" or not big):
               continue
             cell = Cell(entry, "float32", mesh, weighted, False, compute, big, in_place)
-            slow = mesh is not None or entry in ("linen", "nnx") or not in_place
+            slow = mesh is not None or entry not in FAST_ENTRIES or not in_place
             marks = [pytest.mark.slow] if slow else []
             out.append(pytest.param(cell, id=str(cell), marks=marks))
   return out

@@ -115,7 +115,10 @@ def _run(entry, w, batch, layout, weighted, num_real=None):
   return metrics["aux"]
 
 
-@pytest.mark.parametrize("layout", [None, "replicated", "fsdp_per_microbatch"])
+@pytest.mark.parametrize(
+  "layout",
+  [None, *(pytest.param(x, marks=pytest.mark.slow) for x in ("replicated", "fsdp_per_microbatch"))],
+)
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("entry", ["train_step", "value_and_grad", "micro_step"])
 def test_each_reducer_equals_the_window_reference(entry, weighted, layout):
