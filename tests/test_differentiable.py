@@ -22,6 +22,8 @@ INNERS = {
 }
 K = 3
 
+pytestmark = pytest.mark.slow  # gradients through whole windows
+
 
 def loss_fn(w, x):
   return jnp.mean(jnp.tanh(x @ w) ** 2)

@@ -34,6 +34,8 @@ K = 2
 B = D * K * 2  # two rows per device micro-batch
 LR = 1e-2
 
+pytestmark = pytest.mark.slow  # tensor-parallel meshes: compiles of 2-D meshes
+
 
 def mesh():
   return jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))

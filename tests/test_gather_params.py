@@ -365,6 +365,7 @@ def test_micro_step_with_tensor_parallel_params_matches_the_big_batch_step(specs
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_micro_step_keeps_model_state_sharded_over_the_model_axis(kind):
   """Model state sharded over "model" (a running mean of the TP layer's hidden units) through

@@ -80,6 +80,7 @@ def _both(make_step, params, state, batch, **call):
   return out[True], out[False], report.grads_in_place
 
 
+SLOW_CASES = ("remat_and_bf16_compute", "short_window")  # in the full suite only
 CASES = {
   "plain": ({}, {}),
   "weighted_with_an_empty_microbatch": ({"weight_fn": _weight}, {}),
@@ -89,7 +90,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+  "case",
+  [c if c not in SLOW_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
+)
 def test_in_place_equals_the_carried_path(case):
   """Params, state and metrics after two windows (the second opened by a streaming call) are
   the carried path's: bit for bit unweighted (the sums run in the same order), within 1e-6
@@ -112,12 +116,10 @@ def test_in_place_equals_the_carried_path(case):
   assert bool(s1.updated) and all(np.isfinite(x).all() for x in jax.tree.leaves(p1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "layout",
-  [
-    "replicated",
-    *(pytest.param(x, marks=pytest.mark.slow) for x in ("fsdp_once", "fsdp_per_microbatch")),
-  ],
+  ["replicated", "fsdp_once", "fsdp_per_microbatch"],
 )
 def test_in_place_on_a_mesh_equals_the_carried_path(layout):
   """8 devices, weighted with an empty micro-batch: FSDP gathered per micro-batch reduces each
@@ -161,6 +163,7 @@ def test_in_place_with_model_state_loss_scale_and_value_and_grad():
   assert_close_to_scale(out[True], out[False], 0)
 
 
+@pytest.mark.slow
 def test_linen_and_nnx_stacked_models_in_place_equal_the_carried_path():
   """ga.linen_train_step on an nn.scan model and ga.nnx_train_step on an nnx.scan model."""
   from flax import nnx
@@ -195,6 +198,7 @@ def _report(params, tx, **kw):
   return ga.inspect_step(step, params, tx.init(params), batch).grads_in_place
 
 
+@pytest.mark.slow
 def test_where_it_falls_back_and_the_report_says_so():
   """In place only where every accumulator leaf has its param's dtype and no unit needs a
   micro-batch's own gradient; the report's line says which path the program took."""

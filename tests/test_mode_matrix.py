@@ -518,18 +518,15 @@ RUNNERS = {
 # --- the cells ----------------------------------------------------------------------------
 
 
-FAST_ENTRIES = ("train_step", "micro_step")  # the two paths: the fused scan, the streaming slots
-
-
 def fast_cell(entry, dtype, mesh, weighted, state):
   """The fast tier's cells (``-m "not slow"``): float32 through every entry point without a mesh
-  (Linen and NNX unweighted), float16 (a running mean) and float64 through the two paths; the
-  full suite runs every cell."""
+  (Linen and NNX unweighted), the other dtypes through the weighted fused step; the full suite
+  runs every cell."""
   if mesh is not None:
     return False
   if dtype == "float32":
     return not (entry in ("linen", "nnx") and weighted)
-  return entry in FAST_ENTRIES and (dtype == "float16" or not state)
+  return entry == "train_step" and weighted and not state
 
 
 def cells():
@@ -619,7 +616,7 @@ def precision_cells():
             if mesh is not None and (compute == "float32" or not big):
               continue
             cell = Cell(entry, "float32", mesh, weighted, False, compute, big, in_place)
-            slow = mesh is not None or entry not in FAST_ENTRIES or not in_place
+            slow = mesh is not None or entry != "train_step" or not in_place
             marks = [pytest.mark.slow] if slow else []
             out.append(pytest.param(cell, id=str(cell), marks=marks))
   return out

@@ -21,6 +21,8 @@ import memory_floor  # noqa: E402
 D_IN, HIDDEN, B_MICRO = 512, 2048, 1024
 SIZES = (D_IN, HIDDEN, HIDDEN, 16)
 
+pytestmark = pytest.mark.slow  # compiled programs of an 8-32 MiB MLP, read for fusions and copies
+
 
 def shapes(batch_size):
   return {

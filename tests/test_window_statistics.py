@@ -140,6 +140,7 @@ def test_a_short_window_reduces_its_real_microbatches(entry, layout):
   assert_stats(_run(entry, w, batch, layout, False, num_real=3), want)
 
 
+@pytest.mark.slow
 def test_a_window_split_by_a_checkpoint_and_a_new_layout_reduces_as_one():
   """micro_step on 8 devices for two micro-batches; the state saved (to host), restored into
   the single-device layout (convert_state), two more calls: the window's statistics are the
@@ -334,6 +335,7 @@ def _balance(stats):
   return E * jnp.sum(fraction * prob)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("layout", [None, "replicated"])
 def test_moe_window_statistics_and_bias_update_equal_the_whole_batch(remat, layout):
@@ -470,7 +472,7 @@ def _int32(value):
   return (value + 2**31) % 2**32 - 2**31
 
 
-@pytest.mark.parametrize("layout", [None, "replicated"])
+@pytest.mark.parametrize("layout", [None, pytest.param("replicated", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("entry", ["train_step", "micro_step"])
 def test_integer_sums_are_exact_and_wrap_as_int32(entry, layout):
   """Summed over the window's micro-batches and devices (on 8, in the float32 all-reduce as
