@@ -412,6 +412,17 @@ def _absmax_merge(acc, more, more_weight):
   return jnp.maximum(acc, more)
 
 
+def _window_aux(entry, loss, tx, kw, w, batch):
+  """The window's aux from one fused step, or from K micro_step calls on its micro-batches."""
+  if entry == "train_step":
+    return ga.train_step(loss, tx, **kw)(w, tx.init(w), batch)[2]["aux"]
+  step = ga.micro_step(loss, tx, **kw)
+  state, p = step.init(w, ga.microbatch(batch, 0, K)), w
+  for i in range(K):
+    p, state, metrics = step(p, state, ga.microbatch(batch, i, K))
+  return metrics["aux"]
+
+
 def _extremes_loss(w, mb):
   """The loss and the most negative prediction of the micro-batch's real rows (+inf for none)."""
   loss, aux = loss_fn(w, mb)
@@ -438,14 +449,7 @@ def test_a_new_reducer_is_one_table_entry(monkeypatch, entry, layout):
   monkeypatch.setitem(_parts.REDUCERS, "absmax", entry_of_the_table)
   w, batch = _data(empty=K - 1)
   kw = {"has_aux": True, "aux_reduce": spec, "weight_fn": weight_fn, **_mesh_kw(layout)}
-  if entry == "train_step":
-    got = ga.train_step(_extremes_loss, tx, **kw)(w, tx.init(w), batch)[2]["aux"]
-  else:
-    step = ga.micro_step(_extremes_loss, tx, **kw)
-    state, p = step.init(w, ga.microbatch(batch, 0, K)), w
-    for i in range(K):
-      p, state, metrics = step(p, state, ga.microbatch(batch, i, K))
-    got = metrics["aux"]
+  got = _window_aux(entry, _extremes_loss, tx, kw, w, batch)
   devices = 1 if layout is None else 8
   rows = batch["x"].shape[0] // devices
   values = []  # each device's value of each micro-batch of positive weight
@@ -481,14 +485,7 @@ def test_integer_sums_are_exact_and_wrap_as_int32(entry, layout):
   w, batch = _data()
   tx = ga.accumulate(optax.sgd(0.1), K)
   kw = {"has_aux": True, **_mesh_kw(layout)}
-  if entry == "train_step":
-    got = ga.train_step(_wrapping_loss, tx, **kw)(w, tx.init(w), batch)[2]["aux"]
-  else:
-    step = ga.micro_step(_wrapping_loss, tx, **kw)
-    state, p = step.init(w, ga.microbatch(batch, 0, K)), w
-    for i in range(K):
-      p, state, metrics = step(p, state, ga.microbatch(batch, i, K))
-    got = metrics["aux"]
+  got = _window_aux(entry, _wrapping_loss, tx, kw, w, batch)
   pairs = K * (1 if layout is None else 8)
   tokens = int(np.sum(np.asarray(batch["n"]) > 0))
   assert got["big"].dtype == jnp.int32
