@@ -229,7 +229,7 @@ def over_slots(acc: Any, weights: jax.Array) -> Any:
   if not keeps_running_means(acc):
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), acc)
   dtypes = jax.tree.map(jnp.result_type, acc)
-  totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), shared(acc, weights))
+  totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), shared(acc, weights, dtypes))
   return from_totals(totals, jnp.sum(weights, axis=0), dtypes)
 
 
