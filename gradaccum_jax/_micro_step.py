@@ -49,13 +49,6 @@ def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepSt
   return state._replace(accumulate=acc, loss_sum=sums.loss, aux_sum=sums.aux)
 
 
-def _merged(own: tuple[Sums, Any], new: tuple[Sums, Any], reducers) -> tuple[Sums, Any]:
-  """The sums and noise sums ``own`` after the micro-batch's ``new``: by the one accumulation
-  rule of every mode (``Sums.merged``); the noise sums add."""
-  noise = jax.tree.map(lambda x, y: x + y.astype(x.dtype), own[1], new[1])
-  return own[0].merged(new[0], reducers), noise
-
-
 class MicroStepLayout:
   """How a :class:`MicroStep` lays out its state: any mode's state checked and moved into it
   (on a mesh, the sums in device slots: ``_sharding.Slots``), the aux sums made."""
@@ -129,7 +122,8 @@ class MicroStep:
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
     # Donated, the closing branch writes the params over the donated ones.
-    self._end = CallEnd(self._acc, self._slots, opts, donated=donate and jit)
+    units = lambda own: self._mg.summed_units(own[0].grads)  # noqa: E731
+    self._end = CallEnd(self._acc, self._slots, opts, donate and jit, units)
 
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
@@ -193,7 +187,8 @@ class MicroStep:
     new, new_model_state = slots.local(local, inputs, own)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    sums, noise = _merged(own, new, self._opts.aux_reduce)
+    units = self._end.units(own)  # the parts after the micro-batch's, by each unit's rule
+    sums, noise = (u.merge(a, b) for u, a, b in zip(units, own, new, strict=True))
     if like["grads_in_place"]:  # the micro-batch's gradient was added into the accumulator itself
       sums = sums._replace(grads=new[0].grads)
     state = _with_partials(state, sums, noise)
@@ -216,9 +211,11 @@ class MicroStep:
     acc = own[0].grads if like["grads_in_place"] else jax.tree.map(jnp.zeros_like, own[0].grads)
     w = self._mg.local_sums(inputs, acc, vary=axes, carried=why)
     like["like"] = (w.loss_like, w.aux_like)
-    # Unweighted, a device's micro-batch weighs 1 / D: the slots add up to the window.
-    devices = self._slots.devices
-    return self._mg.per_device(w.sums, w.noise, devices, 1.0 / devices), w.model_state
+    # Each device's share (unweighted, its micro-batch weighs 1 / D): the slots add up to the
+    # window.
+    units, devices = self._mg.summed_units(acc), self._slots.devices
+    shares = tuple(u.share(p, devices) for u, p in zip(units, w.parts, strict=False))
+    return shares, w.model_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +227,7 @@ class CallEnd:
   slots: Slots
   opts: Options
   donated: bool
+  units: Callable[[Any], tuple]  # own -> the units of its parts (MicrobatchedGrad.summed_units)
 
   def __call__(self, params, new_model_state, state, like):
     """``(new params, model state, state, metrics)``, the partial sums cleared where it closed;
@@ -239,7 +237,7 @@ class CallEnd:
     # Donated, the closing branch writes the new params over the old ones (the plain step's
     # memory); else it returns updates, applied after the lax.cond as tx.update's are (the
     # new params in the branch's outputs then hold 0.7 A more on the LM: tests/test_memory.py).
-    acc, donated, reducers = self.acc, self.donated, self.opts.aux_reduce
+    acc, donated = self.acc, self.donated
     mode = "cond_apply" if donated else "cond"
     emit = state.accumulate.micro_step + 1 >= acc.window_size(state.accumulate.count)
 
@@ -259,10 +257,9 @@ class CallEnd:
     closed, out, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, params, new_model_state, state
     )
-    sums, noise = _partials(state)
-    start = jax.tree.map(jnp.zeros_like, (sums, noise))  # an aux max or min starts elsewhere
-    start = (start[0]._replace(aux=reducers.init(sums.aux)), start[1])
-    empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), (sums, noise), start)
+    own = _partials(state)
+    start = tuple(u.empty(p) for u, p in zip(self.units(own), own, strict=True))
+    empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), own, start)
     new_params = place_params(self.slots.dp, out if donated else optax.apply_updates(params, out))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
     # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
@@ -275,7 +272,7 @@ class CallEnd:
     (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics."""
     reducers = self.opts.aux_reduce
     own = _partials(state)
-    totals, total_noise = self.slots.reduce(params, own, reducers)
+    totals, total_noise = self.slots.reduce(params, self.units(own), own)
     acc_state = state.accumulate
     acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
     loss, aux = window_means(totals, *like, reducers)

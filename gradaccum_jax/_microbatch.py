@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ from gradaccum_jax._checks import (
   check_trainable,
 )
 from gradaccum_jax._model_state import ModelStateUnit
-from gradaccum_jax._noise import NoiseSums, NoiseUnit
+from gradaccum_jax._noise import NoiseUnit
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   AuxReducers,
@@ -25,7 +25,6 @@ from gradaccum_jax._parts import (
   Micro,
   Off,
   Overwritten,
-  Sums,
   SumsUnit,
   Window,
   keeps_running_means,
@@ -77,14 +76,6 @@ def microbatch(batch: Any, index: jax.Array | int, num_microbatches: int) -> Any
     return jax.lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False)
 
   return jax.tree.map(take, batch)
-
-
-class Carry(NamedTuple):
-  """The scan's carry: one typed part per unit (``()`` for a unit that is off)."""
-
-  sums: Sums
-  noise: NoiseSums | tuple[()]
-  model: Any  # a ModelCarry, or ()
 
 
 def window_weight(weighting: Any, batch: Any, k: int, num: Any) -> jax.Array:
@@ -165,7 +156,8 @@ def trained_window(w: Window, ov: Overwritten, reducers: AuxReducers) -> Window:
   reduced "gradient", its new value, in ``overwrite``."""
   (aux, new), (aux_like, _) = w.sums.aux, w.aux_like
   sums = w.sums._replace(grads=ov.split(w.sums.grads)[0], aux=aux)
-  return w._replace(sums=sums, aux_like=aux_like, reducers=reducers, overwrite=new)
+  parts = (sums, *w.parts[1:])
+  return w._replace(parts=parts, aux_like=aux_like, reducers=reducers, overwrite=new)
 
 
 def _in_place_refs(acc, weighting, batch, k, num, vary) -> tuple[Any, jax.Array | None]:
@@ -256,19 +248,27 @@ class MicrobatchedGrad:
       w = over_mesh(dp, core, inputs, acc_init, in_buffer)
     return w if ov is None else trained_window(w, ov, self.reducers)
 
-  def _noise_unit(self) -> NoiseUnit | Off:
-    return NoiseUnit(self.options.weighting) if self.noise_sums else Off()
+  def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> tuple:
+    """The window's units, in the order of ``Window.parts``: :meth:`summed_units` (the sums
+    reduce-scattered per micro-batch with ``per_micro``) and the model state (:class:`Off`
+    without ``has_state``)."""
+    sums, noise = self.summed_units(acc_init)
+    sums = sums if per_micro is None else per_micro.wrap(sums)
+    opts, model = self.options, Off(None)
+    if opts.has_state:
+      model = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
+    return sums, noise, model
 
-  def per_device(self, sums: Sums, noise: Any, devices: int, num: Any) -> tuple[Sums, Any]:
-    """The window's sums and noise sums after the sum over ``devices``: each unit's share."""
-    sums = self._sums_unit().per_device(sums, devices, num)
-    return sums, self._noise_unit().per_device(noise, devices, num)
+  def summed_units(self, acc_init: Any) -> tuple:
+    """The units whose parts are sums (an open window's state keeps them): the gradient, loss
+    and aux sums and the noise sums (:class:`Off` when off); ``acc_init``: the accumulator the
+    sums start from (its dtypes)."""
+    weighting = self.options.weighting
+    sums = SumsUnit(weighting, self.reducers, jax.tree.map(jnp.result_type, acc_init))
+    return sums, NoiseUnit(weighting) if self.noise_sums else Off()
 
   def seed_factor(self, devices: int) -> int:
-    return self._sums_unit().seed_factor(devices)
-
-  def _sums_unit(self) -> SumsUnit:
-    return SumsUnit(self.options.weighting, self.reducers)
+    return SumsUnit(self.options.weighting, self.reducers).seed_factor(devices)
 
   @property
   def reducers(self) -> AuxReducers:
@@ -290,11 +290,8 @@ class MicrobatchedGrad:
     grad_fn = jax.value_and_grad(self.options.objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
-    sums_unit = self._sums_unit() if per_micro is None else per_micro.wrap(self._sums_unit())
-    model_unit = Off(None)
-    if opts.has_state:
-      model_unit = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
-    units = (sums_unit, self._noise_unit(), model_unit)
+    units = self.units(model_state, acc_init, per_micro)  # Window.parts' order
+    model_unit = units[2]  # gives each micro-batch the model state it starts from
 
     def one(i, start, refs=None):
       mb = microbatch(batch, i, k)
@@ -321,29 +318,27 @@ class MicrobatchedGrad:
     else:
       like = jax.eval_shape(one, 0, model_state)
 
-    def body(c: Carry, i) -> tuple[Carry, None]:
-      m = one(i, model_unit.start(c.model), refs)
-      return Carry(*(unit.update(part, m) for unit, part in zip(units, c, strict=True))), None
+    def body(c: tuple, i) -> tuple[tuple, None]:  # the carry: one part per unit
+      m = one(i, model_unit.start(c[2]), refs)
+      return tuple(unit.update(part, m) for unit, part in zip(units, c, strict=True)), None
 
-    init = Carry(*(unit.init(acc_init, like) for unit in units))
+    init = tuple(unit.init(acc_init, like) for unit in units)
     if vary:
       init = to_varying(init, vary)
     refs = norm = None
     why = carried or self.carried_because(params, acc_init, per_micro, lambda: like.loss)
     if why is None:  # the gradients added into Refs
-      refs, norm = _in_place_refs(init.sums.grads, opts.weighting, batch, k, num, vary)
-      init = init._replace(sums=init.sums._replace(grads=()))
+      refs, norm = _in_place_refs(init[0].grads, opts.weighting, batch, k, num, vary)
+      init = (init[0]._replace(grads=()), *init[1:])
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
     if refs is not None:
       grads = jax.tree.map(lambda r: _scaled(jax.freeze(r), norm), refs)
-      c = c._replace(sums=c.sums._replace(grads=grads))
-    sums, noise, state = (
-      unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True)
-    )
-    return Window(sums, noise, state, like.loss, like.aux, num, self.reducers)
+      c = (c[0]._replace(grads=grads), *c[1:])
+    parts = tuple(unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True))
+    return Window(parts, like.loss, like.aux, num, self.reducers)
 
 
 def value_and_grad(

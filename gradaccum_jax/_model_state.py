@@ -175,6 +175,14 @@ class ModelStateUnit:
       out[i] = mean_new.astype(jnp.result_type(s[i]))
     return treedef.unflatten(out)
 
-  def per_device(self, state: Any, devices: int, num: Any) -> Any:
-    """Reduced over the devices by ``_sharding.reduce_state`` (statistics averaged)."""
+  def reduce(self, state: Any) -> tuple[dict[str, Any], Any]:
+    """Over the devices as ``"state"``: float leaves averaged where they differ, int, bool and
+    key leaves maxed (``_sharding.reduce_state``)."""
+    return {"state": state}, lambda got: got["state"]
+
+  def share(self, state: Any, devices: int) -> Any:
     return state
+
+  def merge(self, state: Any, more: Any) -> Any:
+    """The later window's state: the model state is threaded, not summed."""
+    return more

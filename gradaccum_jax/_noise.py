@@ -96,9 +96,19 @@ class NoiseUnit:
       return n
     return n._replace(examples=jnp.asarray(num * rows, jnp.float32))
 
-  def per_device(self, n: NoiseSums, devices: int, num: Any) -> NoiseSums:
-    """Unweighted, a device's micro-batch weighs ``1 / devices`` (``SumsUnit.per_device``)."""
+  def reduce(self, n: NoiseSums) -> tuple[dict[str, Any], Any]:
+    """Summed over the devices, in the window's one all-reduce."""
+    return {"sum": n}, lambda got: got["sum"]
+
+  def share(self, n: NoiseSums, devices: int) -> NoiseSums:
+    """Unweighted, a device's micro-batch weighs ``1 / devices`` (``SumsUnit.share``)."""
     return n if self.weighting.weighted else n._replace(sq_sum=n.sq_sum / devices)
+
+  def merge(self, n: NoiseSums, more: NoiseSums) -> NoiseSums:
+    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), n, more)
+
+  def empty(self, n: NoiseSums) -> NoiseSums:
+    return jax.tree.map(jnp.zeros_like, n)
 
 
 def estimates(

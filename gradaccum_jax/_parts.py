@@ -1,10 +1,22 @@
-"""The parts of a window's sums: one small unit per feature, composed by the micro-batch scan.
+"""The parts of a window: one small unit per feature, composed by every stage.
 
-Every unit answers optax.microbatching's questions: ``init(acc_init, like)`` (its part of the
-carry; ``like``: one micro-batch's :class:`Micro`, abstract), ``update(part, micro)`` (add one
-micro-batch), ``finalize(part, num, rows)`` (after ``num`` micro-batches of ``rows`` rows) and
-``per_device(part, devices, num)`` (after the sum over ``devices``, on a mesh); a feature that
-is off is the :class:`Off` unit, whose carry is ``()``."""
+A unit is a program of seven verbs, each stage calling the ones it needs on every unit alike::
+
+  carry = unit.init(acc_init, like)       # before the scan (``like``: one Micro, abstract)
+  carry = unit.update(carry, micro)       # once per micro-batch (a :class:`Micro`)
+  part = unit.finalize(carry, num, rows)  # after ``num`` micro-batches of ``rows`` rows
+  asks, finish = unit.reduce(part)        # over devices: what each collective combines ...
+  part = finish(combined)                 # ... and the window's part from the combined asks
+  part = unit.share(part, devices)        # linear: a device's share of the sum (1/D unweighted)
+  part = unit.merge(part, more)           # two partial windows, ``more`` of later micro-batches
+  part = unit.empty(part)                 # a window with nothing in it, shaped as ``part``
+
+``asks`` maps a collective to a tree: ``"grads"`` (gradient leaves, each reduced as its param
+is laid out), ``"sum"`` (one all-reduce for every unit's), ``"max"``, ``"min"`` and ``"state"``
+(model state: floats averaged where they differ, others maxed); a stage combines every unit's
+asks at once, so a window takes one all-reduce. ``share`` is linear, so a stage applies it
+before the sum (``ga.micro_step``'s device slots) or after (the fused step). A feature that is
+off is the :class:`Off` unit, whose part is ``()``."""
 
 from __future__ import annotations
 
@@ -147,11 +159,11 @@ class Rule:
 
   ``one(acc, g, w, wt)``: a micro-batch's gradient ``g`` of weight ``w`` as a window of its own.
   ``merge(acc, more, frac)``: two partial windows as one (``frac``: the later one's share of
-  their total weight). ``per_device(acc, devices)``: unweighted, a device's share when each of
-  its micro-batches weighs ``1 / devices``. ``share(acc, weight)`` and ``from_total(total,
+  their total weight). ``share(acc, devices)``: unweighted, a device's share when each of
+  its micro-batches weighs ``1 / devices``. ``addend(acc, weight)`` and ``from_total(total,
   weight, dtype)``: a window on each device (``weight``: its own) as an addend of the sum over
   the devices (or device slots) and the window that sum makes (``weight``: the total); a
-  running mean is shared as ``mean * weight`` in float32, so one all-reduce combines it with
+  running mean's addend is ``mean * weight`` in float32, so one all-reduce combines it with
   the sums. Weights are scalars or one per device slot (a leading axis of ``acc``)."""
 
   running_mean: bool
@@ -165,10 +177,10 @@ class Rule:
     frac = _leading(frac, acc)  # left as it is for a zero share, even if ``more`` is NaN
     return jnp.where(frac > 0, _toward(acc, more, frac), acc)
 
-  def per_device(self, acc: jax.Array, devices: int) -> jax.Array:
+  def share(self, acc: jax.Array, devices: int) -> jax.Array:
     return acc if self.running_mean else acc / devices
 
-  def share(self, acc: jax.Array, weight: jax.Array) -> jax.Array:
+  def addend(self, acc: jax.Array, weight: jax.Array) -> jax.Array:
     if not self.running_mean:
       return acc
     return acc.astype(jnp.float32) * _leading(weight, acc).astype(jnp.float32)
@@ -209,17 +221,17 @@ def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Wei
   return merge_gradients(acc, weight, one, wt.total(w))
 
 
-def shared(acc: Any, weight: jax.Array, dtypes: Any = None) -> Any:
-  """Each leaf of ``acc`` as its addend of a sum over devices or device slots (``Rule.share``;
+def addends(acc: Any, weight: jax.Array, dtypes: Any = None) -> Any:
+  """Each leaf of ``acc`` as its addend of a sum over devices or device slots (``Rule.addend``;
   ``dtypes``: the accumulator's, where a leaf is already a sum in a wider dtype)."""
   dtypes = jax.tree.map(jnp.result_type, acc) if dtypes is None else dtypes
   return jax.tree.map(
-    lambda a, d: a if jnp.result_type(a) != d else rule_of(d).share(a, weight), acc, dtypes
+    lambda a, d: a if jnp.result_type(a) != d else rule_of(d).addend(a, weight), acc, dtypes
   )
 
 
 def from_totals(totals: Any, weight: jax.Array, dtypes: Any) -> Any:
-  """The window of the summed :func:`shared` addends ``totals`` of total ``weight``."""
+  """The window of the summed :func:`addends` ``totals`` of total ``weight``."""
   return jax.tree.map(lambda t, d: rule_of(d).from_total(t, weight, d), totals, dtypes)
 
 
@@ -229,7 +241,7 @@ def over_slots(acc: Any, weights: jax.Array) -> Any:
   if not keeps_running_means(acc):
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), acc)
   dtypes = jax.tree.map(jnp.result_type, acc)
-  totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), shared(acc, weights, dtypes))
+  totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), addends(acc, weights, dtypes))
   return from_totals(totals, jnp.sum(weights, axis=0), dtypes)
 
 
@@ -534,8 +546,8 @@ class AuxReducers:
     ``more_weight``)."""
     return self._map(lambda r, a, b: r.merge(a, b, more_weight), acc, more)
 
-  def per_device(self, aux: Any, devices: int, weighted: bool) -> Any:
-    """Each device's share of the reductions, before they are combined over ``devices``."""
+  def share(self, aux: Any, devices: int, weighted: bool) -> Any:
+    """Each device's share of the reductions (linear: before or after they are combined)."""
     return self._map(lambda r, x: r.share(x, devices, weighted), aux)
 
   def split(self, aux: Any) -> dict[str, Any]:
@@ -565,16 +577,18 @@ class AuxReducers:
 
 
 class Window(NamedTuple):
-  """The sums of one batch's micro-batches, and what they were made of."""
+  """One batch's micro-batches as each unit keeps them, and what they were made of."""
 
-  sums: Sums
-  noise: Any  # _noise.NoiseSums, or () without the noise scale
-  model_state: Any  # the model state after the window (None without has_state)
+  parts: tuple  # the units' parts: (Sums, noise sums or (), model state or None)
   loss_like: jax.ShapeDtypeStruct  # one micro-batch's loss ...
   aux_like: Any  # ... and aux
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
   reducers: AuxReducers = AuxReducers()
   overwrite: Any = None  # an overwritten part's new value (Overwritten; fp8), else None
+
+  sums = property(lambda self: self.parts[0])  # Sums
+  noise = property(lambda self: self.parts[1])  # _noise.NoiseSums, or () without the noise scale
+  model_state = property(lambda self: self.parts[2])  # after the window (None without has_state)
 
   def means(self) -> tuple[jax.Array, Any]:
     """The weighted mean loss and the reduced aux (:func:`window_means`)."""
@@ -583,10 +597,12 @@ class Window(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SumsUnit:
-  """Gradient, weight, loss and aux sums (always on)."""
+  """Gradient, weight, loss and aux sums (always on); ``dtypes``: the accumulator's (a narrow
+  leaf's share is summed in float32; default the sums')."""
 
   weighting: Weighting
   reducers: AuxReducers
+  dtypes: Any = None
 
   def init(self, acc_init: Any, like: Micro) -> Sums:
     loss = jnp.zeros(jnp.shape(like.loss), sum_dtype(like.loss))
@@ -613,18 +629,41 @@ class SumsUnit:
       return s
     return s._replace(weight=s.weight + jnp.asarray(num, jnp.float32))
 
-  def per_device(self, s: Sums, devices: int, num: Any) -> Sums:
-    """After the sum over ``devices``: unweighted, a device's micro-batch weighs ``1 / devices``,
-    so global micro-batch ``i`` weighs 1, as on one device, and the total weight is ``num``."""
-    aux = self.reducers.per_device(s.aux, devices, self.weighting.weighted)
+  def reduce(self, s: Sums) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Sums]]:
+    """The gradients asked as ``"grads"`` (a running mean as ``mean * weight`` in float32:
+    :func:`addends`), the weight, loss and summed aux as ``"sum"``, aux maxima and minima by
+    their reducers' collectives; the window from them (:func:`from_totals`)."""
+    dtypes = jax.tree.map(jnp.result_type, s.grads) if self.dtypes is None else self.dtypes
+    by = self.reducers.split(s.aux)
+    asks = {"grads": addends(s.grads, s.weight, dtypes), **by}
+    asks["sum"] = s._replace(grads=(), aux=by["sum"])
+
+    def finish(got: dict[str, Any]) -> Sums:
+      rest = got["sum"]
+      aux = self.reducers.join({**{name: got[name] for name in by}, "sum": rest.aux})
+      return rest._replace(grads=from_totals(got["grads"], rest.weight, dtypes), aux=aux)
+
+    return asks, finish
+
+  def share(self, s: Sums, devices: int) -> Sums:
+    """Unweighted, a device's micro-batch weighs ``1 / devices``, so that global micro-batch
+    ``i`` weighs 1, as on one device (weighted, the weights say it; aux by their reducers)."""
+    aux = self.reducers.share(s.aux, devices, self.weighting.weighted)
     if self.weighting.weighted:
       return s._replace(aux=aux)
-    grads = jax.tree.map(lambda a: rule_of(a).per_device(a, devices), s.grads)
-    return Sums(grads, jnp.asarray(num, jnp.float32), _divided(s.loss, devices), aux)
+    grads = jax.tree.map(lambda a: rule_of(a).share(a, devices), s.grads)
+    return Sums(grads, s.weight / devices, _divided(s.loss, devices), aux)
+
+  def merge(self, s: Sums, more: Sums) -> Sums:
+    return s.merged(more, self.reducers)
+
+  def empty(self, s: Sums) -> Sums:
+    """An empty window shaped as ``s``: zeros, an aux maximum or minimum at its start."""
+    return jax.tree.map(jnp.zeros_like, s)._replace(aux=self.reducers.init(s.aux))
 
   def seed_factor(self, devices: int) -> int:
-    """What an open window's sums are multiplied by when one device adds them into its share:
-    unweighted ``devices``, as :meth:`per_device` divides by it (exact for a power of two)."""
+    """What an open window's gradient sums are multiplied by when one device adds them into its
+    share: the inverse of :meth:`share` (exact for a power of two)."""
     return 1 if self.weighting.weighted else devices
 
 
@@ -635,8 +674,8 @@ def _divided(tree: Any, devices: int) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Off:
-  """A feature that is off: its carry is ``()``, nothing is computed, and its part of the
-  window is ``final`` (``()``; None for the model state)."""
+  """A feature that is off: its carry is ``()``, nothing is computed or combined, and its part
+  of the window is ``final`` (``()``; None for the model state)."""
 
   final: Any = ()
 
@@ -652,7 +691,16 @@ class Off:
   def finalize(self, carry: tuple[()], num: Any, rows: int) -> Any:
     return self.final
 
-  def per_device(self, part: Any, devices: int, num: Any) -> Any:
+  def reduce(self, part: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
+    return {}, lambda got: part
+
+  def share(self, part: Any, devices: int) -> Any:
+    return part
+
+  def merge(self, part: Any, more: Any) -> Any:
+    return part
+
+  def empty(self, part: Any) -> Any:
     return part
 
 

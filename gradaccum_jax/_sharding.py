@@ -27,9 +27,7 @@ from gradaccum_jax._parts import (
   SumsUnit,
   Window,
   add_gradients,
-  from_totals,
   rule_of,
-  shared,
 )
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
@@ -352,7 +350,7 @@ class PerMicrobatch:
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
   def wrap(self, unit: SumsUnit) -> ScatteredSumsUnit:
-    return ScatteredSumsUnit(unit.weighting, unit.reducers, self.plans)
+    return ScatteredSumsUnit(unit.weighting, unit.reducers, unit.dtypes, self.plans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,10 +358,10 @@ class ScatteredSumsUnit(SumsUnit):
   """:class:`SumsUnit` whose gradient sums of params sharded over the data axes are
   reduce-scattered every micro-batch: ``w_i g_i`` (0 for ``w_i <= 0``) is reduced before it is
   added, so each device's weight multiplies its own gradient; such a leaf of a narrow
-  accumulator is summed in float32 (a shard; ``reduce_sums`` makes the window's mean). The other
+  accumulator is summed in float32 (a shard; ``SumsUnit.reduce`` makes the window's mean). The other
   leaves, and the loss, weight and aux sums, stay local."""
 
-  plans: tuple[_LeafPlan, ...]
+  plans: tuple[_LeafPlan, ...] = ()
 
   def init(self, acc_init: Any, like: Micro) -> Sums:
     s = super().init(acc_init, like)
@@ -405,25 +403,37 @@ def reduce_over_data(
   return out, extra
 
 
-def reduce_sums(plans, sums: Sums, noise: Any, axes, reducers, *, scattered=False, dtypes=None):
-  """:func:`reduce_over_data` of a device's window sums and noise sums: ``(sums, noise)``, each
-  aux leaf combined by its reducer's collective (``reducers.split``), each gradient leaf by its
-  rule (``_parts.shared``: a running mean as ``mean * weight`` in float32; ``dtypes``: the
-  accumulator's, default the sums'). The additive sums take one all-reduce, their integer leaves
-  carried in its float32 (:func:`_as_float32_parts`: an all-reduce has one dtype); aux maxima
-  and minima one more each per dtype."""
-  dtypes = jax.tree.map(jnp.result_type, sums.grads) if dtypes is None else dtypes
-  sums = sums._replace(grads=shared(sums.grads, sums.weight, dtypes))
-  by = reducers.split(sums.aux)
-  extra = (sums._replace(grads=(), aux=by.pop("sum")), noise)
+def reduce_parts(units: tuple, parts: tuple, plans, axes, *, scattered=False) -> tuple:
+  """Each unit's part of a device's window combined over the data ``axes`` by what its
+  ``reduce`` asks (the protocol: ``_parts``): every unit's ``"sum"`` and ``"grads"`` in one
+  all-reduce (:func:`reduce_over_data`; integer leaves carried in its float32 by
+  :func:`_as_float32_parts`, as an all-reduce has one dtype), with reduce-scatters for the
+  gradients of params sharded over the data axes only; ``"max"`` and ``"min"`` one more each per
+  dtype; ``"state"`` by :func:`reduce_state`."""
+  asks, finishes = zip(*(u.reduce(p) for u, p in zip(units, parts, strict=True)), strict=True)
+  extra = [a.get("sum", ()) for a in asks]
+  grads = [a["grads"] for a in asks if "grads" in a]
   bits = _part_bits(jax.lax.axis_size(axes))
   parts = jax.tree.map(lambda x: _as_float32_parts(x, bits), extra)
-  grads, parts = reduce_over_data(plans, jax.tree.leaves(sums.grads), parts, axes, scattered)
-  rest, noise = jax.tree.map(lambda x, like: _from_float32_parts(x, like, bits), parts, extra)
-  combined = {name: COLLECTIVES[name][0](t, axes) for name, t in by.items() if jax.tree.leaves(t)}
-  aux = reducers.join({**by, **combined, "sum": rest.aux})
-  grads = from_totals(jax.tree.structure(sums.grads).unflatten(grads), rest.weight, dtypes)
-  return rest._replace(grads=grads, aux=aux), noise
+  leaves = [x for g in grads for x in jax.tree.leaves(g)]
+  summed, parts = reduce_over_data(list(plans) * len(grads), leaves, parts, axes, scattered)
+  extra = jax.tree.map(lambda x, like: _from_float32_parts(x, like, bits), parts, extra)
+  combine = {
+    **{
+      name: lambda t, c=COLLECTIVES[name][0]: c(t, axes) if jax.tree.leaves(t) else t
+      for name in ("max", "min")
+    },
+    "state": lambda t: reduce_state(t, axes),
+  }
+  it, out = iter(summed), []
+  for a, finish, total in zip(asks, finishes, extra, strict=True):
+    got = {name: combine[name](t) for name, t in a.items() if name in combine}
+    if "grads" in a:
+      got["grads"] = jax.tree.structure(a["grads"]).unflatten(
+        [next(it) for _ in jax.tree.leaves(a["grads"])]
+      )
+    out.append(finish({**got, "sum": total}))
+  return tuple(out)
 
 
 def _part_bits(devices: int) -> int:
@@ -481,7 +491,7 @@ def shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes: 
 def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buffer=False) -> Any:
   """Runs ``core.local_sums`` (a ``MicrobatchedGrad``'s single-device scan, returning a
   ``Window``) on every device's rows under ``shard_map``, then reduces once
-  (:func:`reduce_sums`, :func:`reduce_state`). Returns the batch's ``Window``, its gradients
+  (:func:`reduce_parts`). Returns the batch's ``Window``, its gradients
   added to ``acc_init``: with ``in_buffer`` in the scan, where a device starts from its share of
   ``acc_init``; else after the reduction."""
   if dp.gather not in ("once", "per_microbatch"):
@@ -510,15 +520,15 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
     tuple(p.manual for p in seed_plans),
   )
   out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P())
-  sums, noise, new_state = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
+  sums, *rest = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
   loss_like, aux_like = per_device.shapes["like"]
-  sums = sums._replace(grads=grads)
-  return Window(sums, noise, new_state, loss_like, aux_like, num, core.reducers)
+  parts = (sums._replace(grads=grads), *rest)
+  return Window(parts, loss_like, aux_like, num, core.reducers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,7 +543,7 @@ class _OverMesh:
   seeded: tuple[bool, ...]  # per leaf: whether the scan starts from this device's share of it
   shapes: dict
 
-  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple[Sums, Any, Any]:
+  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple:
     dp, plans, core = self.dp, self.plans, self.core
     params, rng = inputs.params, inputs.rng
     per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
@@ -552,12 +562,9 @@ class _OverMesh:
     inputs = inputs._replace(params=params, rng=rng)
     w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook)
     self.shapes["like"] = (w.loss_like, w.aux_like)
-    dtypes = treedef.unflatten([jnp.result_type(a) for a in self.acc_leaves])
-    sums, noise = reduce_sums(
-      plans, w.sums, w.noise, dp.axes, core.reducers, scattered=per_mb, dtypes=dtypes
-    )
-    sums, noise = core.per_device(sums, noise, dp.size, w.num)
-    return sums, noise, reduce_state(w.model_state, dp.axes)
+    units = core.units(inputs.model_state, acc0, hook)
+    parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
+    return tuple(unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:
@@ -715,18 +722,19 @@ class Slots:
     add = shard_map_over_data(per_device, dp, in_specs, (own_specs, P()))
     return add(Inputs(params, mb, *rest), own)
 
-  def reduce(self, params: Any, own: tuple[Sums, Any], reducers: Any) -> tuple[Sums, Any]:
-    """The window's sums: the slots reduced (:func:`reduce_sums`: one all-reduce,
-    reduce-scatters for data-sharded params; aux maxima and minima one more each per dtype)."""
+  def reduce(self, params: Any, units: tuple, own: tuple) -> tuple:
+    """The window's parts (``own``: the slotted parts of ``units``, the sums first): the slots
+    reduced (:func:`reduce_parts`: one all-reduce, reduce-scatters for data-sharded params)."""
     dp = self.dp
     if dp is None:
       return own
     plans, treedef = leaf_plans(dp, params), jax.tree.structure(params)
 
-    def per_device(partial, noise):
-      partial, noise = jax.tree.map(lambda x: x[0], (partial, noise))
-      return reduce_sums(plans, partial, noise, dp.axes, reducers)
+    def per_device(*own):
+      return reduce_parts(units, jax.tree.map(lambda x: x[0], own), plans, dp.axes)
 
-    aux = jax.tree.map(lambda _: P(), own[0].aux)
-    out = Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), aux)
-    return shard_map_over_data(per_device, dp, self._specs(own), (out, P()))(*own)
+    sums = jax.tree.map(lambda _: P(), own[0])._replace(
+      grads=treedef.unflatten([p.manual for p in plans])
+    )
+    out = (sums, *(P() for _ in own[1:]))
+    return shard_map_over_data(per_device, dp, self._specs(own), out)(*own)
