@@ -36,6 +36,10 @@ from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map,
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
+# Units beyond the built-in ones, each made by ``make(mg)`` (a MicrobatchedGrad): its part
+# follows the model state's in every window's ``parts`` (docs/architecture.md, "Adding a unit").
+UNITS: list[Callable[[Any], Any]] = []
+
 
 def refs_available() -> bool:
   """Whether this JAX adds a backward pass into a ``jax.Ref`` (``jax.vjp(...).with_refs``), with
@@ -250,14 +254,14 @@ class MicrobatchedGrad:
 
   def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> tuple:
     """The window's units, in the order of ``Window.parts``: :meth:`summed_units` (the sums
-    reduce-scattered per micro-batch with ``per_micro``) and the model state (:class:`Off`
-    without ``has_state``)."""
+    reduce-scattered per micro-batch with ``per_micro``), the model state (:class:`Off`
+    without ``has_state``) and those of :data:`UNITS`."""
     sums, noise = self.summed_units(acc_init)
     sums = sums if per_micro is None else per_micro.wrap(sums)
     opts, model = self.options, Off(None)
     if opts.has_state:
       model = ModelStateUnit.make(model_state, opts.batchnorm, opts.batchnorm_momentum)
-    return sums, noise, model
+    return sums, noise, model, *(make(self) for make in UNITS)
 
   def summed_units(self, acc_init: Any) -> tuple:
     """The units whose parts are sums (an open window's state keeps them): the gradient, loss

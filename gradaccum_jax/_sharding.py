@@ -519,7 +519,8 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
     Inputs(params_in, dp.batch_spec, P(), P(), P(), P()),
     tuple(p.manual for p in seed_plans),
   )
-  out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P())
+  others = len(core.units(inputs.model_state, acc_init)) - 1  # replicated: reduced inside
+  out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), *(P(),) * others)
   sums, *rest = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)

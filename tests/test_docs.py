@@ -153,6 +153,47 @@ def test_architecture_adds_a_statistic_with_one_table_entry():
     _parts.REDUCERS.pop("abs_max", None)
 
 
+def test_architecture_adds_a_unit_with_one_line():
+  """docs/architecture.md: a unit defined on the page, switched on by one line, keeps its part
+  of the window on one device and over 8 (the closed form), its sum riding the window's one
+  all-reduce and its max one pmax."""
+  from gradaccum_jax import _microbatch, _options, _parts
+
+  try:
+    ns = run_blocks(DOCS / "architecture.md")
+  finally:
+    _microbatch.UNITS.clear()
+    _parts.REDUCERS.pop("abs_max", None)
+  batch = ns["stat_batch"]
+  sq = (np.asarray(batch["x"]) @ np.zeros(3) - np.asarray(batch["y"])) ** 2  # each row's loss
+  for got in (ns["spread_one"], ns["spread_mesh"]):
+    np.testing.assert_allclose(float(got[0]), np.sum(sq**2), rtol=1e-6)
+    assert float(got[1]) == np.max(sq) == 64.0
+
+  mesh = jax.make_mesh((8,), ("data",))
+  opts = _options.make_options(
+    "value_and_grad", ns["residual_loss"], has_aux=True, mesh=mesh, data_axis="data"
+  )
+  w = ns["stat_w"]
+
+  def reductions():  # (kind, scalar operands) of each collective of the mesh window
+    mg = _microbatch.MicrobatchedGrad(opts, 2)
+    window = jax.jit(lambda w, b: mg.sums(_parts.Inputs(w, b), jnp.zeros_like(w)).parts)
+    report = ga.StepReport.from_compiled(window.lower(w, batch).compile())
+    return [(c.kind, sum(s == () for s in c.shapes)) for c in report.collectives]
+
+  without = reductions()
+  _microbatch.UNITS.append(lambda mg: ns["LossSpread"]())
+  try:
+    with_unit = reductions()
+  finally:
+    _microbatch.UNITS.clear()
+  # One all-reduce: the gradient and three scalar sums (weight, loss, the aux's mean); with the
+  # unit its sum joins that one (four scalars) and its max takes a pmax of its own.
+  assert without == [("all-reduce", 3)], without
+  assert sorted(with_unit) == [("all-reduce", 1), ("all-reduce", 4)], with_unit
+
+
 def test_migrating_snippets_match_their_before():
   """docs/migrating.md: every "after" gives the parameters and counters of its "before"."""
   ns = run_blocks(DOCS / "migrating.md")
