@@ -24,16 +24,18 @@ from gradaccum_jax._checks import (
 )
 from gradaccum_jax._noise import (
   NoiseScaleState,
+  NoiseUnit,
   add_noise,
   after_window,
   init_state,
   noise_scale,
-  open_sums,
-  with_sums,
 )
 from gradaccum_jax._parts import (
+  AuxReducers,
+  SumsUnit,
   Weighting,
   add_gradients,
+  keeps_running_means,
   mean_of,
   over_slots,
   refuse_overwritten,
@@ -103,43 +105,41 @@ class MicroStepState(NamedTuple):
 
   def __getattr__(self, name: str) -> Any:
     """Every :class:`AccumulateState` field, as in every mode's state: ``count``,
-    ``inner_state``, ... of ``accumulate``; ``acc_grads`` and ``acc_weight`` the window's
-    totals (the device slots summed)."""
+    ``inner_state``, ... of ``accumulate``; ``acc_grads``, ``acc_weight`` and the open window's
+    noise sums the window's totals (the device slots combined; only the field read)."""
     if name not in AccumulateState._fields:
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-    value = getattr(self.accumulate, name)
-    if name not in _SLOTTED or jnp.ndim(self.accumulate.acc_weight) == 0:
-      return value  # the counters, or sums without device slots: nothing is totalled
-    if name == "noise_scale":  # only this field's slots are totalled, not the accumulator's
-      return with_sums(value, jax.tree.map(lambda x: jnp.sum(x, axis=0), open_sums(value)))
-    if name == "acc_grads":  # each leaf by its rule (a running mean weighs its slots)
-      return over_slots(value, self.accumulate.acc_weight)
-    return jnp.sum(value, axis=0)
+    acc = self.accumulate
+    if name not in ("acc_grads", "acc_weight", "noise_scale") or jnp.ndim(acc.acc_weight) == 0:
+      return getattr(acc, name)  # the counters, or sums without device slots: nothing is totalled
+    if name == "acc_weight" or name == "acc_grads" and not keeps_running_means(acc.acc_grads):
+      return jax.tree.map(lambda x: jnp.sum(x, axis=0), getattr(acc, name))  # sums: their total
+    return getattr(_totalled(acc, _SLOTTED[name == "noise_scale"]), name)
 
   @property
   def count(self) -> jax.Array:  # else tuple.count
     return self.accumulate.count
 
 
-# The AccumulateState fields that hold a leading axis of device slots in a MicroStepState.
-_SLOTTED = ("acc_grads", "acc_weight", "noise_scale")
+# The units of the sums an AccumulateState holds in device slots in a MicroStepState.
+_SLOTTED = (SumsUnit(Weighting(None), AuxReducers()), NoiseUnit(Weighting(None)))
+
+
+def _totalled(acc: AccumulateState, *units: Any) -> AccumulateState:
+  """``acc`` with the device slots of ``units``' parts combined (``_parts.over_slots``)."""
+  parts = over_slots(units, tuple(u.held(acc) for u in units))
+  for unit, part in zip(units, parts, strict=True):
+    acc = unit.hold(acc, part)
+  return acc
 
 
 def slot_totals(state: Any) -> Any:
   """The :class:`AccumulateState` of ``state`` (a :class:`MicroStepState` is unwrapped, its
-  device slots summed: they have a leading axis iff ``acc_weight`` does); others unchanged."""
+  device slots combined: they have a leading axis iff ``acc_weight`` does); others unchanged."""
   if not isinstance(state, MicroStepState):
     return state
   acc = state.accumulate
-  if jnp.ndim(acc.acc_weight) == 0:
-    return acc
-  weight, noise = jax.tree.map(
-    lambda x: jnp.sum(x, axis=0), (acc.acc_weight, open_sums(acc.noise_scale))
-  )
-  grads = over_slots(acc.acc_grads, acc.acc_weight)  # each leaf by its rule
-  return acc._replace(
-    acc_grads=grads, acc_weight=weight, noise_scale=with_sums(acc.noise_scale, noise)
-  )
+  return acc if jnp.ndim(acc.acc_weight) == 0 else _totalled(acc, *_SLOTTED)
 
 
 class LossScaleState(NamedTuple):
@@ -363,15 +363,15 @@ class Accumulator:
     check_trainable(grads, "grads")
     wt = Weighting(None if weight is None else check_weight)
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
-    noise = state.noise_scale
-    if noise is not None:
-      noise = add_noise(noise, sq_norm(grads), None if weight is None else w, 1.0)
+    noise = NoiseUnit(wt)  # its sums held in the state, () without the noise scale
+    if state.noise_scale is not None:
+      sums = add_noise(noise.held(state), sq_norm(grads), None if weight is None else w, 1.0)
+      state = noise.hold(state, sums)
     held = state._replace(
       micro_step=optax.safe_increment(state.micro_step),
       updated=jnp.zeros((), bool),
       acc_grads=add_gradients(state.acc_grads, grads, w, state.acc_weight, wt),
       acc_weight=state.acc_weight + wt.total(w),
-      noise_scale=noise,
     )
     k = self.num_microbatches
     closes = (isinstance(k, int) and k == 1) or held.micro_step >= self.window_size(state.count)

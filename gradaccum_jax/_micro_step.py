@@ -27,34 +27,35 @@ from gradaccum_jax._checks import (
   is_inexact,
 )
 from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._noise import open_sums, with_sums
 from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Inputs, Sums, keep_if_voided, refuse_overwritten, window_means
-from gradaccum_jax._sharding import Slots, place_params
+from gradaccum_jax._parts import (
+  Inputs,
+  keep_if_voided,
+  over_slots,
+  refuse_overwritten,
+  window_means,
+)
+from gradaccum_jax._sharding import Slots, place_params, reduce_parts
 
 
-def _partials(state: MicroStepState | AccumulateState, loss=None, aux=None) -> tuple[Sums, Any]:
-  """The sums a call adds to: of a :class:`MicroStepState`, or of an :class:`AccumulateState`
-  with the ``loss`` and ``aux`` sums given."""
-  if isinstance(state, MicroStepState):
-    state, loss, aux = state.accumulate, state.loss_sum, state.aux_sum
-  return Sums(state.acc_grads, state.acc_weight, loss, aux), open_sums(state.noise_scale)
+def _held(units: tuple, state: MicroStepState) -> tuple:
+  """The open window's parts in ``state``, one per unit (``unit.held``)."""
+  return tuple(unit.held(state) for unit in units)
 
 
-def _with_partials(state: MicroStepState, sums: Sums, noise: Any) -> MicroStepState:
-  acc = state.accumulate
-  acc = acc._replace(
-    acc_grads=sums.grads, acc_weight=sums.weight, noise_scale=with_sums(acc.noise_scale, noise)
-  )
-  return state._replace(accumulate=acc, loss_sum=sums.loss, aux_sum=sums.aux)
+def _holding(units: tuple, state: MicroStepState, parts: tuple) -> MicroStepState:
+  """``state`` holding ``parts`` as its open window's (``unit.hold``)."""
+  for unit, part in zip(units, parts, strict=True):
+    state = unit.hold(state, part)
+  return state
 
 
 class MicroStepLayout:
   """How a :class:`MicroStep` lays out its state: any mode's state checked and moved into it
   (on a mesh, the sums in device slots: ``_sharding.Slots``), the aux sums made."""
 
-  def __init__(self, acc: Any, opts: Options, slots: Slots):
-    self._acc, self._loss, self.slots = acc, opts.loss, slots
+  def __init__(self, acc: Any, opts: Options, slots: Slots, units: Callable[[Any], tuple]):
+    self._acc, self._loss, self.slots, self._units = acc, opts.loss, slots, units
     self._reducers = opts.aux_reduce
 
   def check(self, state: Any) -> MicroStepState:
@@ -80,10 +81,11 @@ class MicroStepLayout:
     slots = jnp.shape(weight)[0] if jnp.ndim(weight) else None
     if slots == (None if self.slots.dp is None else self.slots.devices):
       return state
-    sums, noise = _partials(slot_totals(state), state.loss_sum, state.aux_sum)
-    if slots is not None:  # the loss and aux sums (the others are totalled)
-      sums = sums._replace(loss=jnp.sum(sums.loss, 0), aux=self._reducers.over_slots(sums.aux))
-    return _with_partials(state, *self.slots.first(sums, noise, params, self._reducers))
+    units = self._units(state.accumulate.acc_grads)
+    parts = _held(units, state)
+    if slots is not None:  # saved slots combined
+      parts = over_slots(units, parts)
+    return _holding(units, state, self.slots.first(*parts, params, self._reducers))
 
   def convert(self, state: Any, like: MicroStepState) -> MicroStepState:
     """``state`` in the layout of ``like`` (:meth:`MicroStep.convert_state`)."""
@@ -113,16 +115,16 @@ class MicroStep:
     self.tx, self._opts, self._acc = tx, opts, tx.settings
     dp = opts.parallel
     self._slots = Slots(dp)
-    self._layout = MicroStepLayout(self._acc, opts, self._slots)
+    self._mg = MicrobatchedGrad(opts, 1, noise_sums=self._acc.noise_scale_ema is not None)
+    units = self._mg.summed_units  # of the open window's parts (acc_grads -> units)
+    self._layout = MicroStepLayout(self._acc, opts, self._slots, units)
     self.mesh = None if dp is None else dp.mesh
     self.data_axis = None if dp is None else dp.axes
     self.has_state = opts.has_state
-    self._mg = MicrobatchedGrad(opts, 1, noise_sums=self._acc.noise_scale_ema is not None)
     donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
     # Donated, the closing branch writes the params over the donated ones.
-    units = lambda own: self._mg.summed_units(own[0].grads)  # noqa: E731
     self._end = CallEnd(self._acc, self._slots, opts, donate and jit, units)
 
   def init(
@@ -181,22 +183,22 @@ class MicroStep:
       saved = model_state if state.window_start is None else state.window_start
       start = keep_if_voided(acc_state.micro_step == 0, model_state, saved)  # its float leaves
       state = state._replace(window_start=start)
-    own, like = _partials(state), {}
+    units = self._end.units(state.accumulate.acc_grads)
+    own, like = _held(units, state), {}
     local = functools.partial(self._local, like)
     inputs = Inputs(params, microbatch, rng, model_state, scale)
     new, new_model_state = slots.local(local, inputs, own)
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    units = self._end.units(own)  # the parts after the micro-batch's, by each unit's rule
-    sums, noise = (u.merge(a, b) for u, a, b in zip(units, own, new, strict=True))
+    parts = [u.merge(a, b) for u, a, b in zip(units, own, new, strict=True)]  # by each's rule
     if like["grads_in_place"]:  # the micro-batch's gradient was added into the accumulator itself
-      sums = sums._replace(grads=new[0].grads)
-    state = _with_partials(state, sums, noise)
+      parts[0] = parts[0]._replace(grads=new[0].grads)
+    state = _holding(units, state, tuple(parts))
     return self._end(params, new_model_state, state, like["like"])
 
-  def _local(self, like: dict, inputs: Inputs, own: tuple[Sums, Any], axes: tuple):
-    """The micro-batch's sums and noise sums, shaped as ``own`` (a slot's), and the new model
-    state; ``like["like"]``: one micro-batch's loss and aux."""
+  def _local(self, like: dict, inputs: Inputs, own: tuple, axes: tuple):
+    """The micro-batch's parts, a device's shares shaped as ``own`` (a slot's, the sums first),
+    and the new model state; ``like["like"]``: one micro-batch's loss and aux."""
 
     # Donated, without a mesh, where it can, the backward pass adds into the state's accumulator
     # in its buffer (undonated that buffer is copied first: 0.37 A more than the carried path on
@@ -213,9 +215,13 @@ class MicroStep:
     like["like"] = (w.loss_like, w.aux_like)
     # Each device's share (unweighted, its micro-batch weighs 1 / D): the slots add up to the
     # window.
-    units, devices = self._mg.summed_units(acc), self._slots.devices
-    shares = tuple(u.share(p, devices) for u, p in zip(units, w.parts, strict=False))
-    return shares, w.model_state
+    units, devices = self._mg.units(inputs.model_state, acc), self._slots.devices
+    shares = tuple(u.share(p, devices) for u, p in zip(units[:2], w.parts[:2], strict=True))
+    # The model state as its unit reduces it over the devices (not kept in slots).
+    new_model_state = w.model_state
+    if axes:
+      (new_model_state,) = reduce_parts(units[2:3], w.parts[2:3], (), axes)
+    return shares, new_model_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +233,7 @@ class CallEnd:
   slots: Slots
   opts: Options
   donated: bool
-  units: Callable[[Any], tuple]  # own -> the units of its parts (MicrobatchedGrad.summed_units)
+  units: Callable[[Any], tuple]  # acc_grads -> the open window's units (summed_units)
 
   def __call__(self, params, new_model_state, state, like):
     """``(new params, model state, state, metrics)``, the partial sums cleared where it closed;
@@ -257,33 +263,32 @@ class CallEnd:
     closed, out, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, params, new_model_state, state
     )
-    own = _partials(state)
-    start = tuple(u.empty(p) for u, p in zip(self.units(own), own, strict=True))
+    units = self.units(state.accumulate.acc_grads)
+    own = _held(units, state)
+    start = tuple(u.empty(p) for u, p in zip(units, own, strict=True))
     empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), own, start)
     new_params = place_params(self.slots.dp, out if donated else optax.apply_updates(params, out))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
     # copied adam's mu and nu in the branch that holds (2 A more; tests/test_memory.py).
     acc_state = state.accumulate
     metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
-    return new_params, new_model_state, _with_partials(state, *empty), metrics
+    return new_params, new_model_state, _holding(units, state, empty), metrics
 
   def close(self, mode, params, new_model_state, state, like):
     """The call that closes the window: the slots reduced, one inner update
     (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics."""
-    reducers = self.opts.aux_reduce
-    own = _partials(state)
-    totals, total_noise = self.slots.reduce(params, self.units(own), own)
-    acc_state = state.accumulate
-    acc_state = acc_state._replace(noise_scale=with_sums(acc_state.noise_scale, total_noise))
-    loss, aux = window_means(totals, *like, reducers)
+    units = self.units(state.accumulate.acc_grads)
+    own = _held(units, state)
+    totals = self.slots.reduce(params, units, own)
+    acc_state = _holding(units, state, totals).accumulate  # the window's (its noise sums)
+    sums = totals[0]
+    loss, aux = window_means(sums, *like, self.opts.aux_reduce)
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    closed = self.acc.close(
-      totals.grads, totals.weight, acc_state, params, params, extra, mode=mode
-    )
+    closed = self.acc.close(sums.grads, sums.weight, acc_state, params, params, extra, mode=mode)
     # The partial sums as they were: the caller clears them after its lax.cond.
-    new_state = _with_partials(state._replace(accumulate=closed.state), *own)
+    new_state = _holding(units, state._replace(accumulate=closed.state), own)
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
-    metrics = window_metrics(closed, loss, aux, totals.weight, self.opts.loss.has_aux, scale)
+    metrics = window_metrics(closed, loss, aux, sums.weight, self.opts.loss.has_aux, scale)
     if state.window_start is not None:  # a voided window restores float state as it found it
       new_model_state = keep_if_voided(closed.state.updated, new_model_state, state.window_start)
     return closed.out, new_model_state, new_state, metrics

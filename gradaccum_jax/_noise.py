@@ -50,32 +50,16 @@ def init_state() -> NoiseScaleState:
   return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32), zero, zero, zero)
 
 
-def open_sums(ns: NoiseScaleState | None) -> NoiseSums | tuple[()]:
-  """The open window's sums of ``ns`` (``()`` without the noise scale)."""
-  return () if ns is None else NoiseSums(ns.sq_sum, ns.num, ns.examples)
-
-
-def with_sums(ns: NoiseScaleState | None, sums: NoiseSums | tuple[()]) -> Any:
-  """``ns`` holding ``sums`` as its open window's."""
-  return ns if ns is None else ns._replace(**sums._asdict())
-
-
-def add_noise(sums: Any, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> Any:
-  """``sums`` (:class:`NoiseSums` or :class:`NoiseScaleState`) after a micro-batch of squared
-  gradient norm ``sq`` and weight ``w`` (its examples), or unweighted (``None``: ``examples``).
-  The sums are float32, whatever ``sq``'s precision."""
+def add_noise(n: NoiseSums, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> NoiseSums:
+  """The sums ``n`` after a micro-batch of squared gradient norm ``sq`` and weight ``w`` (its
+  examples), or unweighted (``None``: ``examples``); float32, whatever ``sq``'s precision."""
   sq = jnp.asarray(sq).astype(jnp.float32)
   if w is None:
-    return add_window(sums, NoiseSums(sq, 1.0, examples))
-  pos = w > 0
-  more = NoiseSums(jnp.where(pos, w * sq, 0.0), pos.astype(jnp.float32), jnp.where(pos, w, 0.0))
-  return add_window(sums, more)
-
-
-def add_window(ns: Any, sums: NoiseSums) -> Any:
-  """``ns`` (:class:`NoiseSums` or :class:`NoiseScaleState`) with ``sums`` added to its open
-  window's."""
-  return with_sums(ns, jax.tree.map(jnp.add, open_sums(ns), sums))
+    more = NoiseSums(sq, 1.0, examples)
+  else:
+    pos = w > 0
+    more = NoiseSums(jnp.where(pos, w * sq, 0.0), pos.astype(jnp.float32), jnp.where(pos, w, 0.0))
+  return jax.tree.map(jnp.add, n, more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +93,17 @@ class NoiseUnit:
 
   def empty(self, n: NoiseSums) -> NoiseSums:
     return jax.tree.map(jnp.zeros_like, n)
+
+  def held(self, state: Any) -> NoiseSums | tuple[()]:
+    """The open window's noise sums in ``state`` (any mode's; ``()`` without the noise scale)."""
+    ns = getattr(state, "accumulate", state).noise_scale
+    return () if ns is None else NoiseSums(ns.sq_sum, ns.num, ns.examples)
+
+  def hold(self, state: Any, n: NoiseSums | tuple[()]) -> Any:
+    if hasattr(state, "accumulate"):
+      return state._replace(accumulate=self.hold(state.accumulate, n))
+    ns = state.noise_scale
+    return state if ns is None else state._replace(noise_scale=ns._replace(**n._asdict()))
 
 
 def estimates(

@@ -1,6 +1,6 @@
 """The parts of a window: one small unit per feature, composed by every stage.
 
-A unit is a program of seven verbs, each stage calling the ones it needs on every unit alike::
+A unit is a program of these verbs, each stage calling the ones it needs on every unit alike::
 
   carry = unit.init(acc_init, like)       # before the scan (``like``: one Micro, abstract)
   carry = unit.update(carry, micro)       # once per micro-batch (a :class:`Micro`)
@@ -10,17 +10,21 @@ A unit is a program of seven verbs, each stage calling the ones it needs on ever
   part = unit.share(part, devices)        # linear: a device's share of the sum (1/D unweighted)
   part = unit.merge(part, more)           # two partial windows, ``more`` of later micro-batches
   part = unit.empty(part)                 # a window with nothing in it, shaped as ``part``
+  part = unit.held(state); state = unit.hold(state, part)  # an open window's part in a state
 
 ``asks`` maps a collective to a tree: ``"grads"`` (gradient leaves, each reduced as its param
 is laid out), ``"sum"`` (one all-reduce for every unit's), ``"max"``, ``"min"`` and ``"state"``
 (model state: floats averaged where they differ, others maxed); a stage combines every unit's
-asks at once, so a window takes one all-reduce. ``share`` is linear, so a stage applies it
-before the sum (``ga.micro_step``'s device slots) or after (the fused step). A feature that is
-off is the :class:`Off` unit, whose part is ``()``."""
+asks at once, so a window takes one all-reduce; device slots (a leading axis) are combined by
+the same asks (:func:`over_slots`). ``share`` is linear, so a stage applies it before the sum
+(``ga.micro_step``'s device slots) or after (the fused step). ``held``/``hold``: units whose
+part an open window keeps (the sums, the noise sums) read and write their own state fields. A
+feature that is off is the :class:`Off` unit, whose part is ``()``."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -235,14 +239,19 @@ def from_totals(totals: Any, weight: jax.Array, dtypes: Any) -> Any:
   return jax.tree.map(lambda t, d: rule_of(d).from_total(t, weight, d), totals, dtypes)
 
 
-def over_slots(acc: Any, weights: jax.Array) -> Any:
-  """The window of an accumulator with a leading axis of device slots of ``weights`` (their
-  total read only for a running mean)."""
-  if not keeps_running_means(acc):
-    return jax.tree.map(lambda x: jnp.sum(x, axis=0), acc)
-  dtypes = jax.tree.map(jnp.result_type, acc)
-  totals = jax.tree.map(lambda x: jnp.sum(x, axis=0), addends(acc, weights, dtypes))
-  return from_totals(totals, jnp.sum(weights, axis=0), dtypes)
+def over_slots(units: tuple, parts: tuple) -> tuple:
+  """The window of ``parts`` held in device slots (a leading axis of every leaf): each unit's
+  slots combined as its ``reduce`` asks, as devices are (``_sharding.reduce_parts``)."""
+
+  combine = {"grads": jnp.sum, **{name: c[1] for name, c in COLLECTIVES.items()}}
+
+  def one(unit: Any, part: Any) -> Any:
+    asks, finish = unit.reduce(part)
+    return finish(
+      {n: jax.tree.map(functools.partial(combine[n], axis=0), t) for n, t in asks.items()}
+    )
+
+  return tuple(one(u, p) for u, p in zip(units, parts, strict=True))
 
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
@@ -567,10 +576,6 @@ class AuxReducers:
     out = [next((x for x in xs if x is not None), None) for xs in zip(*leaves, strict=True)]
     return jax.tree.structure(trees[0], is_leaf=lambda v: v is None).unflatten(out)
 
-  def over_slots(self, aux: Any) -> Any:
-    """``aux`` with a leading axis of device slots combined."""
-    return self._map(lambda r, x: COLLECTIVES[r.collective][1](x, 0), aux)
-
   def final(self, total: Any, weight: jax.Array, like: Any) -> Any:
     """The window's aux from its reductions, in the dtypes ``loss_fn`` returned (``like``)."""
     return self._map(lambda r, t, x: r.final(t, weight, x), total, like)
@@ -657,6 +662,20 @@ class SumsUnit:
   def merge(self, s: Sums, more: Sums) -> Sums:
     return s.merged(more, self.reducers)
 
+  def held(self, state: Any) -> Sums:
+    """The open window's sums in ``state`` (a ``MicroStepState``, or an ``AccumulateState``:
+    no loss or aux sums)."""
+    acc = getattr(state, "accumulate", state)
+    loss, aux = getattr(state, "loss_sum", ()), getattr(state, "aux_sum", ())
+    return Sums(acc.acc_grads, acc.acc_weight, loss, aux)
+
+  def hold(self, state: Any, s: Sums) -> Any:
+    """``state`` holding ``s`` as its open window's sums."""
+    if not hasattr(state, "accumulate"):
+      return state._replace(acc_grads=s.grads, acc_weight=s.weight)
+    acc = state.accumulate._replace(acc_grads=s.grads, acc_weight=s.weight)
+    return state._replace(accumulate=acc, loss_sum=s.loss, aux_sum=s.aux)
+
   def empty(self, s: Sums) -> Sums:
     """An empty window shaped as ``s``: zeros, an aux maximum or minimum at its start."""
     return jax.tree.map(jnp.zeros_like, s)._replace(aux=self.reducers.init(s.aux))
@@ -702,6 +721,12 @@ class Off:
 
   def empty(self, part: Any) -> Any:
     return part
+
+  def held(self, state: Any) -> Any:
+    return self.final
+
+  def hold(self, state: Any, part: Any) -> Any:
+    return state
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:

@@ -416,7 +416,9 @@ def reduce_parts(units: tuple, parts: tuple, plans, axes, *, scattered=False) ->
   bits = _part_bits(jax.lax.axis_size(axes))
   parts = jax.tree.map(lambda x: _as_float32_parts(x, bits), extra)
   leaves = [x for g in grads for x in jax.tree.leaves(g)]
-  summed, parts = reduce_over_data(list(plans) * len(grads), leaves, parts, axes, scattered)
+  summed = []
+  if leaves or jax.tree.leaves(parts):  # else no all-reduce at all
+    summed, parts = reduce_over_data(list(plans) * len(grads), leaves, parts, axes, scattered)
   extra = jax.tree.map(lambda x, like: _from_float32_parts(x, like, bits), parts, extra)
   combine = {
     **{
@@ -694,10 +696,10 @@ class Slots:
     return rest._replace(grads=grads, aux=aux), noise
 
   def local(self, local: Callable[..., Any], inputs: Inputs, own: Any) -> Any:
-    """``local(inputs, own, axes) -> ((sums, noise), model_state)`` of a micro-batch
-    (``inputs.batch``): with a mesh every device's of its rows, in its own slot, with no
-    gradient collective (data-sharded params gathered by GSPMD before), the model state
-    reduced."""
+    """``local(inputs, own, axes) -> (slotted, replicated)`` of a micro-batch
+    (``inputs.batch``): with a mesh every device's parts of its rows, in its own slot, with no
+    gradient collective (data-sharded params gathered by GSPMD before), and what ``local``
+    reduced over the devices itself (the model state)."""
     dp = self.dp
     if dp is None:
       return local(inputs, own, ())
@@ -708,8 +710,8 @@ class Slots:
       if inputs.rng is not None:
         inputs = inputs._replace(rng=jax.random.fold_in(inputs.rng, jax.lax.axis_index(axes)))
       own = jax.tree.map(lambda x: x[0], own)
-      new, new_model_state = local(inputs, own, axes)
-      return jax.tree.map(lambda x: x[None], new), reduce_state(new_model_state, axes)
+      new, replicated = local(inputs, own, axes)
+      return jax.tree.map(lambda x: x[None], new), replicated
 
     mb, rest = inputs.batch, list(inputs[2:])
     if _explicit(mesh):

@@ -23,7 +23,6 @@ from gradaccum_jax._checks import (
 )
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._noise import NoiseSums, add_window
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   Inputs,
@@ -174,8 +173,9 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     else:
       acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, donated)
     weight = state.acc_weight + sums.weight
-    if isinstance(window.noise, NoiseSums):  # add this batch's sums to the open window's
-      state = state._replace(noise_scale=add_window(state.noise_scale, window.noise))
+    # The other sums the state holds (the noise scale's) merged into the open window's.
+    for unit, part in zip(mg.summed_units(init)[1:], window.parts[1:], strict=False):
+      state = unit.hold(state, unit.merge(unit.held(state), part))
     loss, aux = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     mode = "loop" if donated else "select"
