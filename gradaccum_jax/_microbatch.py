@@ -201,6 +201,41 @@ def _add_into(objective: Callable[[Any], Any], refs: Any, params: Any, w: Any) -
 
 
 @dataclasses.dataclass(frozen=True)
+class MicroPass:
+  """One micro-batch's forward and backward pass: ``(i, model_state) -> Micro``; its gradient
+  carried, or (``refs``) added into the Refs, seeded by ``w_i / norm`` (weighted)."""
+
+  opts: Options
+  inputs: Inputs  # the params (device-varying on a mesh) and the window's batch
+  k: int
+  per_micro: Any = None  # a _sharding.PerMicrobatch: params gathered per micro-batch
+  fp8: Fp8 | None = None
+  why: str | None = None  # why the gradient is carried (a key of CARRIED_BECAUSE)
+  refs: Any = None
+  norm: jax.Array | None = None
+
+  def __call__(self, i: Any, start: Any) -> Micro:
+    params, batch, rng, _, scale, _ = self.inputs
+    opts, fp8 = self.opts, self.fp8
+    mb = microbatch(batch, i, self.k)
+    key = None if rng is None else jax.random.fold_in(rng, i)
+    p = params if self.per_micro is None else self.per_micro.gather(params, i)
+    w = opts.weighting.of(mb)
+    if self.refs is not None:  # added in place: the units see no gradient
+      seed = None if self.norm is None else w / self.norm
+      objective = functools.partial(opts.objective, model_state=start, mb=mb, key=key, scale=scale)
+      loss, aux, new_state = _add_into(objective, self.refs, p, seed)
+      return Micro(loss, aux, (), w, new_state)
+    seed = scale if fp8 is None else fp8.seed(w, scale)
+    grad_fn = jax.value_and_grad(opts.objective, has_aux=True)
+    with jax.named_scope(CARRIED_SCOPE + (self.why or "")):  # ga.inspect_step reads why
+      (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
+    if fp8 is not None:
+      grads, aux = fp8.split(grads, aux, w)
+    return Micro(loss, aux, grads, w, new_state)
+
+
+@dataclasses.dataclass(frozen=True)
 class MicrobatchedGrad:
   """The core: a loss function's window sums over the ``k`` micro-batches of a batch."""
 
@@ -271,9 +306,6 @@ class MicrobatchedGrad:
     sums = SumsUnit(weighting, self.reducers, jax.tree.map(jnp.result_type, acc_init))
     return sums, NoiseUnit(weighting) if self.noise_sums else Off()
 
-  def seed_factor(self, devices: int) -> int:
-    return SumsUnit(self.options.weighting, self.reducers).seed_factor(devices)
-
   @property
   def reducers(self) -> AuxReducers:
     """The aux reducers; fp8: of ``(aux, the overwrite collection's gradient)``, max over all."""
@@ -291,40 +323,15 @@ class MicrobatchedGrad:
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
     fp8 = None if ov is None else Fp8.make(ov, opts.weighting, batch, k, num, vary)
-    grad_fn = jax.value_and_grad(self.options.objective, has_aux=True)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
     units = self.units(model_state, acc_init, per_micro)  # Window.parts' order
     model_unit = units[2]  # gives each micro-batch the model state it starts from
-
-    def one(i, start, refs=None):
-      mb = microbatch(batch, i, k)
-      key = None if rng is None else jax.random.fold_in(rng, i)
-      p = params if per_micro is None else per_micro.gather(params, i)
-      w = opts.weighting.of(mb)
-      if refs is not None:  # added in place: the units see no gradient
-        seed = None if norm is None else w / norm
-        objective = functools.partial(
-          opts.objective, model_state=start, mb=mb, key=key, scale=scale
-        )
-        loss, aux, new_state = _add_into(objective, refs, p, seed)
-        return Micro(loss, aux, (), w, new_state)
-      seed = scale if fp8 is None else fp8.seed(w, scale)
-      with jax.named_scope(CARRIED_SCOPE + (why or "")):  # ga.inspect_step reads why
-        (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
-      if fp8 is not None:
-        grads, aux = fp8.split(grads, aux, w)
-      return Micro(loss, aux, grads, w, new_state)
-
-    why = None
+    one = MicroPass(opts, inputs._replace(params=params), k, per_micro, fp8)
     if vary:  # inside the step's shard_map over the data axes, where a loss's own is refused
       like = shapes_refusing_nested_shard_map(one, (0, model_state), vary, opts.where)
     else:
       like = jax.eval_shape(one, 0, model_state)
-
-    def body(c: tuple, i) -> tuple[tuple, None]:  # the carry: one part per unit
-      m = one(i, model_unit.start(c[2]), refs)
-      return tuple(unit.update(part, m) for unit, part in zip(units, c, strict=True)), None
 
     init = tuple(unit.init(acc_init, like) for unit in units)
     if vary:
@@ -334,6 +341,12 @@ class MicrobatchedGrad:
     if why is None:  # the gradients added into Refs
       refs, norm = _in_place_refs(init[0].grads, opts.weighting, batch, k, num, vary)
       init = (init[0]._replace(grads=()), *init[1:])
+    one = dataclasses.replace(one, why=why, refs=refs, norm=norm)
+
+    def body(c: tuple, i) -> tuple[tuple, None]:  # the carry: one part per unit
+      m = one(i, model_unit.start(c[2]))
+      return tuple(unit.update(part, m) for unit, part in zip(units, c, strict=True)), None
+
     if num_real is None:  # a fixed trip count: a scan
       c, _ = jax.lax.scan(body, init, jnp.arange(k))
     else:  # only the first num_real micro-batches run; the others are not computed

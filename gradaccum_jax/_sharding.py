@@ -556,7 +556,7 @@ class _OverMesh:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
     # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
     # or this device's share of the seeds.
-    it, factor = iter(seeds), core.seed_factor(dp.size)
+    it, factor = iter(seeds), core.summed_units(self.acc_leaves)[0].seed_factor(dp.size)
     acc0 = treedef.unflatten([
       p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
       for x, a, p, s in zip(jax.tree.leaves(params), self.acc_leaves, plans, self.seeded, strict=True)
