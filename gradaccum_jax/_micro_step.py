@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from gradaccum_jax._microbatch import MicrobatchedGrad
 from gradaccum_jax._options import Options, make_options
 from gradaccum_jax._parts import (
   Inputs,
+  Static,
   keep_if_voided,
   over_slots,
   refuse_overwritten,
@@ -184,21 +184,22 @@ class MicroStep:
       start = keep_if_voided(acc_state.micro_step == 0, model_state, saved)  # its float leaves
       state = state._replace(window_start=start)
     units = self._end.units(state.accumulate.acc_grads)
-    own, like = _held(units, state), {}
-    local = functools.partial(self._local, like)
+    own = _held(units, state)
     inputs = Inputs(params, microbatch, rng, model_state, scale)
-    new, new_model_state = slots.local(local, inputs, own)
+    new, (new_model_state, static) = slots.local(self._local, inputs, own)
+    like, in_place = static.value
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
     parts = [u.merge(a, b) for u, a, b in zip(units, own, new, strict=True)]  # by each's rule
-    if like["grads_in_place"]:  # the micro-batch's gradient was added into the accumulator itself
+    if in_place:  # the micro-batch's gradient was added into the accumulator itself
       parts[0] = parts[0]._replace(grads=new[0].grads)
     state = _holding(units, state, tuple(parts))
-    return self._end(params, new_model_state, state, like["like"])
+    return self._end(params, new_model_state, state, like)
 
-  def _local(self, like: dict, inputs: Inputs, own: tuple, axes: tuple):
+  def _local(self, inputs: Inputs, own: tuple, axes: tuple):
     """The micro-batch's parts, a device's shares shaped as ``own`` (a slot's, the sums first),
-    and the new model state; ``like["like"]``: one micro-batch's loss and aux."""
+    the new model state and a ``Static((loss and aux shapes, whether the gradient was added
+    into the accumulator))``."""
 
     # Donated, without a mesh, where it can, the backward pass adds into the state's accumulator
     # in its buffer (undonated that buffer is copied first: 0.37 A more than the carried path on
@@ -209,10 +210,8 @@ class MicroStep:
 
     why = self._mg.carried_because(inputs.params, own[0].grads, None, loss)
     why = "streaming" if why is None and not (self._end.donated and not axes) else why
-    like["grads_in_place"] = why is None
-    acc = own[0].grads if like["grads_in_place"] else jax.tree.map(jnp.zeros_like, own[0].grads)
+    acc = own[0].grads if why is None else jax.tree.map(jnp.zeros_like, own[0].grads)
     w = self._mg.local_sums(inputs, acc, vary=axes, carried=why)
-    like["like"] = (w.loss_like, w.aux_like)
     # Each device's share (unweighted, its micro-batch weighs 1 / D): the slots add up to the
     # window.
     units, devices = self._mg.units(inputs.model_state, acc), self._slots.devices
@@ -221,7 +220,7 @@ class MicroStep:
     new_model_state = w.model_state
     if axes:
       (new_model_state,) = reduce_parts(units[2:3], w.parts[2:3], (), axes)
-    return shares, new_model_state
+    return shares, (new_model_state, Static(((w.loss_like, w.aux_like), why is None)))
 
 
 @dataclasses.dataclass(frozen=True)

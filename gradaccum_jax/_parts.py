@@ -44,6 +44,15 @@ class Micro(NamedTuple):
   model_state: Any  # the model state after it (None without has_state)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """A value a traced function returns beside its arrays (a pytree node without leaves: through
+  ``jit`` and ``shard_map`` it comes back as it went in), e.g. one micro-batch's shapes."""
+
+  value: Any
+
+
 class Inputs(NamedTuple):
   """What a window is computed from, one value through every stage (the scan, the mesh)."""
 

@@ -23,6 +23,7 @@ from gradaccum_jax._parts import (
   COLLECTIVES,
   Inputs,
   Micro,
+  Static,
   Sums,
   SumsUnit,
   Window,
@@ -514,7 +515,7 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
   seeded = tuple(in_buffer and (p.dim is None or per_mb) for p in plans)
   seed_plans = [p for p, s in zip(plans, seeded, strict=True) if s]
   seeds = tuple(a for a, s in zip(acc_leaves, seeded, strict=True) if s)
-  per_device = _OverMesh(dp, core, plans, acc_leaves, seeded, {})
+  per_device = _OverMesh(dp, core, plans, acc_leaves, seeded)
   inputs, seeds = _laid_out(dp, plans, inputs, seeds, seed_plans)
   params_in = treedef.unflatten([P() if p.outside else p.manual for p in plans])
   in_specs = (
@@ -523,30 +524,30 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
   )
   others = len(core.units(inputs.model_state, acc_init)) - 1  # replicated: reduced inside
   out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), *(P(),) * others)
-  sums, *rest = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
+  (sums, *rest), like = shard_map_over_data(per_device, dp, in_specs, (out_specs, P()))(
+    inputs, seeds
+  )
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
-  loss_like, aux_like = per_device.shapes["like"]
   parts = (sums._replace(grads=grads), *rest)
-  return Window(parts, loss_like, aux_like, num, core.reducers)
+  return Window(parts, *like.value, num, core.reducers)
 
 
 @dataclasses.dataclass(frozen=True)
 class _OverMesh:
   """:func:`over_mesh`'s body on one device: its rows' scan, then the reduction over devices;
-  ``shapes["like"]``: one micro-batch's loss and aux (static), set when it is traced."""
+  returns the window's parts and one micro-batch's loss and aux shapes (a ``_parts.Static``)."""
 
   dp: DataParallel
   core: Any  # a MicrobatchedGrad
   plans: tuple[_LeafPlan, ...]
   acc_leaves: tuple[Any, ...]  # the accumulator the window's gradients are added to
   seeded: tuple[bool, ...]  # per leaf: whether the scan starts from this device's share of it
-  shapes: dict
 
-  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple:
+  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple[tuple, Static]:
     dp, plans, core = self.dp, self.plans, self.core
     params, rng = inputs.params, inputs.rng
     per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
@@ -564,10 +565,10 @@ class _OverMesh:
     hook = PerMicrobatch(plans, dp.axes) if per_mb else None
     inputs = inputs._replace(params=params, rng=rng)
     w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook)
-    self.shapes["like"] = (w.loss_like, w.aux_like)
     units = core.units(inputs.model_state, acc0, hook)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
-    return tuple(unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
+    shares = tuple(unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
+    return shares, Static((w.loss_like, w.aux_like))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:
