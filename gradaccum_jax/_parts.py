@@ -163,7 +163,6 @@ def _leading(x: jax.Array, like: jax.Array) -> jax.Array:
   return jnp.reshape(x, jnp.shape(x) + (1,) * (jnp.ndim(like) - jnp.ndim(x)))
 
 
-@dataclasses.dataclass(frozen=True)
 class Rule:
   """How an accumulator leaf keeps a window, chosen once per leaf by its dtype (:func:`rule_of`)
   and used by every mode: :data:`SUM` (float32 or wider: ``sum_i w_i g_i``) or
@@ -179,32 +178,45 @@ class Rule:
   running mean's addend is ``mean * weight`` in float32, so one all-reduce combines it with
   the sums. Weights are scalars or one per device slot (a leading axis of ``acc``)."""
 
-  running_mean: bool
+  running_mean = False
 
   def one(self, acc: jax.Array, g: Any, w: jax.Array, wt: Weighting) -> jax.Array:
-    return g if self.running_mean else wt.add(jnp.zeros_like(acc), g, w)
+    return wt.add(jnp.zeros_like(acc), g, w)
 
   def merge(self, acc: jax.Array, more: Any, frac: jax.Array) -> jax.Array:
-    if not self.running_mean:
-      return acc + more.astype(acc.dtype)
+    return acc + more.astype(acc.dtype)
+
+  def share(self, acc: jax.Array, devices: int) -> jax.Array:
+    return acc / devices
+
+  def addend(self, acc: jax.Array, weight: jax.Array) -> jax.Array:
+    return acc
+
+  def from_total(self, total: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    return total
+
+
+class _RunningMean(Rule):
+  running_mean = True
+
+  def one(self, acc: jax.Array, g: Any, w: jax.Array, wt: Weighting) -> jax.Array:
+    return g
+
+  def merge(self, acc: jax.Array, more: Any, frac: jax.Array) -> jax.Array:
     frac = _leading(frac, acc)  # left as it is for a zero share, even if ``more`` is NaN
     return jnp.where(frac > 0, _toward(acc, more, frac), acc)
 
   def share(self, acc: jax.Array, devices: int) -> jax.Array:
-    return acc if self.running_mean else acc / devices
+    return acc  # a mean: the devices' weights say each one's share
 
   def addend(self, acc: jax.Array, weight: jax.Array) -> jax.Array:
-    if not self.running_mean:
-      return acc
     return acc.astype(jnp.float32) * _leading(weight, acc).astype(jnp.float32)
 
   def from_total(self, total: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
-    if not self.running_mean:
-      return total
     return safe_mean(total, _leading(weight, total)).astype(dtype)
 
 
-SUM, RUNNING_MEAN = Rule(False), Rule(True)
+SUM, RUNNING_MEAN = Rule(), _RunningMean()
 
 
 def rule_of(acc: Any) -> Rule:
