@@ -324,7 +324,6 @@ class Accumulator:
     window counted in ``num_skipped``. ``norm_by_rows``: see :func:`sq_norm`."""
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-
     weight = jnp.where(nonempty, acc_weight, 0.0)
     mean_fn = functools.partial(_mean, acc_grads, weight, scale, grad_like)  # at each use
     # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).

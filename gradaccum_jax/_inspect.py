@@ -137,24 +137,7 @@ class StepReport:
   @classmethod
   def from_compiled(cls, compiled: Any) -> StepReport:
     """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``)."""
-    text = compiled.as_text()
-    comps = _computations(text)
-    loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
-    found, whiles = [], []
-    for comp, lines in comps.items():
-      for line in lines:
-        if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
-          where = (comp in loops, comp in branches)
-          found.append(Collective(m[3], m[1], comp, *_shapes_and_bytes(m[2]), *where, line.strip()))
-        elif m := _WHILE.match(line):
-          trips = _TRIPS.search(line)
-          whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
-    mem = compiled.memory_analysis()
-    parts = ("temp", "argument", "output", "alias")
-    sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
-    in_place = IN_PLACE_SCOPE in text
-    why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
-    return cls(tuple(found), tuple(whiles), *sizes, in_place, why)
+    return cls(*_read(compiled))
 
   def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -242,6 +225,29 @@ class StepReport:
     row = "  {:<20} {:>8} {:>12} {:>11} {:>12}".format
     rows = [row(kind, *(c.get(kind, 0) for c in counts)) for kind in kinds]
     return "\n".join([head, row("collective", "in loop", "bytes", "after loop", "bytes"), *rows])
+
+
+def _read(compiled: Any) -> tuple:
+  """A :class:`StepReport`'s fields from a compiled program: its HLO text (the collectives, the
+  loops, the scopes that say where the gradients go) and its memory analysis."""
+  text = compiled.as_text()
+  comps = _computations(text)
+  loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
+  found, whiles = [], []
+  for comp, lines in comps.items():
+    for line in lines:
+      if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
+        where = (comp in loops, comp in branches)
+        found.append(Collective(m[3], m[1], comp, *_shapes_and_bytes(m[2]), *where, line.strip()))
+      elif m := _WHILE.match(line):
+        trips = _TRIPS.search(line)
+        whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
+  mem = compiled.memory_analysis()
+  parts = ("temp", "argument", "output", "alias")
+  sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
+  in_place = IN_PLACE_SCOPE in text
+  why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
+  return (tuple(found), tuple(whiles), *sizes, in_place, why)
 
 
 def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepReport:
