@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._parts import Micro
+from gradaccum_jax._parts import Micro, Unit
 
 BATCHNORM_MODES = ("sequential", "per_window", "frozen")
 
@@ -90,7 +90,7 @@ class ModelCarry(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelStateUnit:
+class ModelStateUnit(Unit):
   """The scan's unit for the model state (protocol: ``_parts``): how it flows through the
   micro-batches of a window.
 
@@ -179,10 +179,3 @@ class ModelStateUnit:
     """Over the devices as ``"state"``: float leaves averaged where they differ, int, bool and
     key leaves maxed (``_sharding.reduce_state``)."""
     return {"state": state}, lambda got: got["state"]
-
-  def share(self, state: Any, devices: int) -> Any:
-    return state
-
-  def merge(self, state: Any, more: Any) -> Any:
-    """The later window's state: the model state is threaded, not summed."""
-    return more

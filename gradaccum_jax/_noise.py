@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._parts import Micro, Weighting, mean_of, safe_mean, sq_norm
+from gradaccum_jax._parts import Micro, Unit, Weighting, mean_of, safe_mean, sq_norm
 
 
 class NoiseScaleState(NamedTuple):
@@ -63,7 +63,7 @@ def add_noise(n: NoiseSums, sq: jax.Array, w: jax.Array | None, examples: Any = 
 
 
 @dataclasses.dataclass(frozen=True)
-class NoiseUnit:
+class NoiseUnit(Unit):
   """The scan's unit for the noise sums (protocol: ``_parts``)."""
 
   weighting: Weighting

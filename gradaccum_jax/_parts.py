@@ -1,6 +1,7 @@
 """The parts of a window: one small unit per feature, composed by every stage.
 
-A unit is a program of these verbs, each stage calling the ones it needs on every unit alike::
+A unit (a :class:`Unit`, whose defaults stand for the verbs it leaves out) is a program of these
+verbs, each stage calling the ones it needs on every unit alike::
 
   carry = unit.init(acc_init, like)       # before the scan (``like``: one Micro, abstract)
   carry = unit.update(carry, micro)       # once per micro-batch (a :class:`Micro`)
@@ -621,8 +622,35 @@ class Window(NamedTuple):
     return window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
 
 
+class Unit:
+  """The verbs of the protocol (this module's docstring) a unit may leave out: its carry is its
+  part, combined over no collective and shared as it is, a later part replaces an earlier one,
+  an empty part is the part itself, and a state holds none of it."""
+
+  def finalize(self, carry: Any, num: Any, rows: int) -> Any:
+    return carry
+
+  def reduce(self, part: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
+    return {}, lambda got: part
+
+  def share(self, part: Any, devices: int) -> Any:
+    return part
+
+  def merge(self, part: Any, more: Any) -> Any:
+    return more
+
+  def empty(self, part: Any) -> Any:
+    return part
+
+  def held(self, state: Any) -> Any:
+    return ()
+
+  def hold(self, state: Any, part: Any) -> Any:
+    return state
+
+
 @dataclasses.dataclass(frozen=True)
-class SumsUnit:
+class SumsUnit(Unit):
   """Gradient, weight, loss and aux sums (always on); ``dtypes``: the accumulator's (a narrow
   leaf's share is summed in float32; default the sums')."""
 
@@ -713,7 +741,7 @@ def _divided(tree: Any, devices: int) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Off:
+class Off(Unit):
   """A feature that is off: its carry is ``()``, nothing is computed or combined, and its part
   of the window is ``final`` (``()``; None for the model state)."""
 
@@ -730,24 +758,6 @@ class Off:
 
   def finalize(self, carry: tuple[()], num: Any, rows: int) -> Any:
     return self.final
-
-  def reduce(self, part: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
-    return {}, lambda got: part
-
-  def share(self, part: Any, devices: int) -> Any:
-    return part
-
-  def merge(self, part: Any, more: Any) -> Any:
-    return part
-
-  def empty(self, part: Any) -> Any:
-    return part
-
-  def held(self, state: Any) -> Any:
-    return self.final
-
-  def hold(self, state: Any, part: Any) -> Any:
-    return state
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:
