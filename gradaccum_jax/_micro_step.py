@@ -85,7 +85,7 @@ class MicroStepLayout:
     parts = _held(units, state)
     if slots is not None:  # saved slots combined
       parts = over_slots(units, parts)
-    return _holding(units, state, self.slots.first(*parts, params, self._reducers))
+    return _holding(units, state, self.slots.first(parts, params, self._reducers))
 
   def convert(self, state: Any, like: MicroStepState) -> MicroStepState:
     """``state`` in the layout of ``like`` (:meth:`MicroStep.convert_state`)."""

@@ -671,11 +671,11 @@ class Slots:
         f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
       )
 
-  def first(self, sums: Sums, noise: Any, params: Any, reducers: Any) -> tuple[Sums, Any]:
-    """Totals ``sums`` and ``noise`` in the first slot, the others zero, or the start of an aux
-    leaf's max or min (gradients laid out as ``params`` are over the model axes)."""
+  def first(self, parts: tuple, params: Any, reducers: Any) -> tuple:
+    """A window's ``parts`` (the sums first) in the first slot, the others zero, or the start of
+    an aux leaf's max or min (gradients laid out as ``params`` are over the model axes)."""
     if self.dp is None:
-      return sums, noise
+      return parts
     mesh = self.dp.mesh
 
     def one(x, spec=None, fill=0):
@@ -688,13 +688,14 @@ class Slots:
         return zeros.at[0].set(x, out_sharding=sharding)
       return place(zeros.at[0].set(x), mesh, sharding.spec)
 
+    sums, *others = parts
     grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
-    rest, noise = jax.tree.map(one, (sums._replace(grads=(), aux=()), noise))
+    rest, others = jax.tree.map(one, (sums._replace(grads=(), aux=()), others))
     # Per leaf its reducer's start (0, or the start of a max or min), a scalar: jax 0.10 cannot
     # place an array fill on the slots' sharding.
     records = reducers.records(sums.aux)
     aux = jax.tree.map(lambda x, r: one(x, fill=r.start(jnp.result_type(x))), sums.aux, records)
-    return rest._replace(grads=grads, aux=aux), noise
+    return (rest._replace(grads=grads, aux=aux), *others)
 
   def local(self, local: Callable[..., Any], inputs: Inputs, own: Any) -> Any:
     """``local(inputs, own, axes) -> (slotted, replicated)`` of a micro-batch
@@ -716,9 +717,9 @@ class Slots:
 
     mb, rest = inputs.batch, list(inputs[2:])
     if _explicit(mesh):
-      slot, (partial, noise) = self._spec(), own
-      grad_specs = _per_leaf(lambda _, p: self._spec(p.model_spec), partial.grads, plans)
-      specs = (Sums(grad_specs, slot, slot, self._specs(partial.aux)), self._specs(noise))
+      slot, (sums, *others) = self._spec(), own
+      grad_specs = _per_leaf(lambda _, p: self._spec(p.model_spec), sums.grads, plans)
+      specs = (Sums(grad_specs, slot, slot, self._specs(sums.aux)), *self._specs(others))
       own = jax.tree.map(lambda x, s: place(x, mesh, s), own, specs)
       mb, rest = _rows_and_rest(dp, mb, rest)
     own_specs = self._specs(own)
