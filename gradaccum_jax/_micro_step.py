@@ -220,7 +220,7 @@ class MicroStep:
     new_model_state = w.model_state
     if axes:
       (new_model_state,) = reduce_parts(units[2:3], w.parts[2:3], (), axes)
-    return shares, (new_model_state, Static(((w.loss_like, w.aux_like), why is None)))
+    return shares, (new_model_state, Static.shapes((w.loss_like, w.aux_like), why is None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,13 @@ class Static:
 
   value: Any
 
+  @classmethod
+  def shapes(cls, tree: Any, *rest: Any) -> Static:
+    """``(tree's shapes and dtypes, *rest)``, without shardings: two traces of one function
+    give equal values (a pytree's metadata is compared where a program is resharded)."""
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+    return cls((like, *rest))
+
 
 class Inputs(NamedTuple):
   """What a window is computed from, one value through every stage (the scan, the mesh)."""

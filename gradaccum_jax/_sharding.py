@@ -533,7 +533,7 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
   parts = (sums._replace(grads=grads), *rest)
-  return Window(parts, *like.value, num, core.reducers)
+  return Window(parts, *like.value[0], num, core.reducers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,7 +568,7 @@ class _OverMesh:
     units = core.units(inputs.model_state, acc0, hook)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
     shares = tuple(unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
-    return shares, Static((w.loss_like, w.aux_like))
+    return shares, Static.shapes((w.loss_like, w.aux_like))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:
