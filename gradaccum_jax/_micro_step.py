@@ -211,10 +211,11 @@ class MicroStep:
     why = self._mg.carried_because(inputs.params, own[0].grads, None, loss)
     why = "streaming" if why is None and not (self._end.donated and not axes) else why
     acc = own[0].grads if why is None else jax.tree.map(jnp.zeros_like, own[0].grads)
-    w = self._mg.local_sums(inputs, acc, vary=axes, carried=why)
+    units = self._mg.units(inputs.model_state, acc)
+    w = self._mg.local_sums(inputs, acc, vary=axes, carried=why, units=units)
     # Each device's share (unweighted, its micro-batch weighs 1 / D): the slots add up to the
     # window.
-    units, devices = self._mg.units(inputs.model_state, acc), self._slots.devices
+    devices = self._slots.devices
     shares = tuple(u.share(p, devices) for u, p in zip(units[:2], w.parts[:2], strict=True))
     # The model state as its unit reduces it over the devices (not kept in slots).
     new_model_state = w.model_state
@@ -246,8 +247,10 @@ class CallEnd:
     mode = "cond_apply" if donated else "cond"
     emit = state.accumulate.micro_step + 1 >= acc.window_size(state.accumulate.count)
 
+    units = self.units(state.accumulate.acc_grads)
+
     def close(params, new_model_state, state):
-      return jnp.ones((), bool), *self.close(mode, params, new_model_state, state, like)
+      return jnp.ones((), bool), *self.close(mode, units, params, new_model_state, state, like)
 
     def hold(params, new_model_state, state):  # the params or zero updates, the sums, NaNs
       closed, _, _, _, metrics = zeros_like_output(close, params, new_model_state, state)
@@ -262,7 +265,6 @@ class CallEnd:
     closed, out, new_model_state, state, metrics = jax.lax.cond(
       emit, close, hold, params, new_model_state, state
     )
-    units = self.units(state.accumulate.acc_grads)
     own = _held(units, state)
     start = tuple(u.empty(p) for u, p in zip(units, own, strict=True))
     empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), own, start)
@@ -273,10 +275,9 @@ class CallEnd:
     metrics = {**metrics, "updated": acc_state.updated, "micro_step": acc_state.micro_step}
     return new_params, new_model_state, _holding(units, state, empty), metrics
 
-  def close(self, mode, params, new_model_state, state, like):
+  def close(self, mode, units, params, new_model_state, state, like):
     """The call that closes the window: the slots reduced, one inner update
     (:data:`CLOSE_MODES` ``mode``: "cond_apply" applies it, donated), the metrics."""
-    units = self.units(state.accumulate.acc_grads)
     own = _held(units, state)
     totals = self.slots.reduce(params, units, own)
     acc_state = _holding(units, state, totals).accumulate  # the window's (its noise sums)

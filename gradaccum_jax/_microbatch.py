@@ -313,7 +313,8 @@ class MicrobatchedGrad:
       return self.options.aux_reduce
     return AuxReducers((self.options.aux_reduce.spec, "max_all"))
 
-  def local_sums(self, inputs: Inputs, acc_init: Any, *, vary=(), per_micro=None, carried=None):
+  def local_sums(self, inputs: Inputs, acc_init: Any, *, vary=(), per_micro=None, carried=None,
+                 units=None):  # fmt: skip
     """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes), the
     gradients added in place unless ``carried`` or :meth:`carried_because` says why not; with
     ``per_micro`` (a ``_sharding.PerMicrobatch``) the params are shards, gathered for each
@@ -325,7 +326,8 @@ class MicrobatchedGrad:
     fp8 = None if ov is None else Fp8.make(ov, opts.weighting, batch, k, num, vary)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
-    units = self.units(model_state, acc_init, per_micro)  # Window.parts' order
+    if units is None:  # Window.parts' order; a caller that reduces them passes its own
+      units = self.units(model_state, acc_init, per_micro)
     model_unit = units[2]  # gives each micro-batch the model state it starts from
     one = MicroPass(opts, inputs._replace(params=params), k, per_micro, fp8)
     if vary:  # inside the step's shard_map over the data axes, where a loss's own is refused

@@ -522,11 +522,9 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
     Inputs(params_in, dp.batch_spec, P(), P(), P(), P()),
     tuple(p.manual for p in seed_plans),
   )
-  others = len(core.units(inputs.model_state, acc_init)) - 1  # replicated: reduced inside
-  out_specs = (Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), *(P(),) * others)
-  (sums, *rest), like = shard_map_over_data(per_device, dp, in_specs, (out_specs, P()))(
-    inputs, seeds
-  )
+  # The sums' gradients as the params are laid out; every other part is replicated (reduced).
+  out_specs = ((Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P()), P())
+  (sums, rest), like = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
@@ -539,7 +537,8 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
 @dataclasses.dataclass(frozen=True)
 class _OverMesh:
   """:func:`over_mesh`'s body on one device: its rows' scan, then the reduction over devices;
-  returns the window's parts and one micro-batch's loss and aux shapes (a ``_parts.Static``)."""
+  returns ``(the sums, the other parts)`` and one micro-batch's loss and aux shapes (a
+  ``_parts.Static``)."""
 
   dp: DataParallel
   core: Any  # a MicrobatchedGrad
@@ -547,7 +546,7 @@ class _OverMesh:
   acc_leaves: tuple[Any, ...]  # the accumulator the window's gradients are added to
   seeded: tuple[bool, ...]  # per leaf: whether the scan starts from this device's share of it
 
-  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple[tuple, Static]:
+  def __call__(self, inputs: Inputs, seeds: tuple) -> tuple[tuple[Sums, tuple], Static]:
     dp, plans, core = self.dp, self.plans, self.core
     params, rng = inputs.params, inputs.rng
     per_mb, treedef = dp.gather == "per_microbatch", jax.tree.structure(params)
@@ -564,11 +563,11 @@ class _OverMesh:
     ])  # fmt: skip
     hook = PerMicrobatch(plans, dp.axes) if per_mb else None
     inputs = inputs._replace(params=params, rng=rng)
-    w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook)
     units = core.units(inputs.model_state, acc0, hook)
+    w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook, units=units)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
-    shares = tuple(unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
-    return shares, Static.shapes((w.loss_like, w.aux_like))
+    sums, *others = (unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
+    return (sums, tuple(others)), Static.shapes((w.loss_like, w.aux_like))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:
