@@ -33,12 +33,18 @@ from gradaccum_jax._parts import (
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map, to_varying
+from gradaccum_jax._terms import probe
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
 # Units beyond the built-in ones, each made by ``make(mg)`` (a MicrobatchedGrad): its part
 # follows the model state's in every window's ``parts`` (docs/architecture.md, "Adding a unit").
 UNITS: list[Callable[[Any], Any]] = []
+
+
+def shapes(tree: Any) -> Any:
+  """``tree``'s shapes and dtypes, without shardings (a probe traces the loss on them)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def refs_available() -> bool:
@@ -115,6 +121,7 @@ CARRIED_BECAUSE = {
   "running_mean": "a 16-bit accumulator keeps a running mean",
   "narrow_loss": "a weighted loss narrower than float32 would round each weight in its seed",
   "streaming": "micro_step adds in place only when donated and without a mesh",
+  "terms": "per-term weights: a gradient that is not finite is taken again term by term",
 }
 
 
@@ -230,9 +237,29 @@ class MicroPass:
     grad_fn = jax.value_and_grad(opts.objective, has_aux=True)
     with jax.named_scope(CARRIED_SCOPE + (self.why or "")):  # ga.inspect_step reads why
       (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
+    if opts.term_totals is not None:
+      grads = self.by_term(grads, p, start, mb, key, seed)
     if fp8 is not None:
       grads, aux = fp8.split(grads, aux, w)
     return Micro(loss, aux, grads, w, new_state)
+
+  def by_term(self, grads: Any, p: Any, start: Any, mb: Any, key: Any, seed: Any) -> Any:
+    """``grads``, or where a leaf is not finite each term's gradient taken alone and summed, the
+    terms of weight 0 left out: an empty term's 0 / 0 (NaN, whose backward pass is NaN even at a
+    cotangent of 0) adds nothing, as a micro-batch of weight 0 adds nothing."""
+    opts = self.opts
+    coef = opts.terms.coefficients(mb, opts.term_totals)
+
+    def one(t: str) -> Any:
+      grad = jax.grad(lambda q: opts.objective(q, start, mb, key, seed, only=t)[0])
+      return jax.lax.cond(coef[t] > 0, grad, lambda q: jax.tree.map(jnp.zeros_like, q), p)
+
+    def each(_):
+      per_term = [one(t) for t in opts.terms.names]
+      return jax.tree.map(lambda *g: sum(g[1:], g[0]), *per_term)
+
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    return jax.lax.cond(finite, lambda _: grads, each, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +286,7 @@ class MicrobatchedGrad:
       ("noise", self.noise_sums),
       ("per_microbatch", per_micro is not None),
       ("fp8", self.overwrite is not None),
+      ("terms", self.options.terms is not None and self.options.terms.per_term),
       ("running_mean", keeps_running_means(acc_init)),  # a narrow float keeps a mean, not a sum
     ):
       if needs:
@@ -278,7 +306,8 @@ class MicrobatchedGrad:
     it after. ``overwrite``: the params' overwritten part (``_parts.overwritten``), if any."""
     params, dp, ov = inputs.params, self.options.parallel, overwrite
     check_trainable(params, where=self.options.where)
-    core = self if ov is None else dataclasses.replace(self, overwrite=ov)
+    core = self.with_terms(inputs)
+    core = core if ov is None else dataclasses.replace(core, overwrite=ov)
     if ov is not None:  # its zeros beside the trained params' sums
       acc_init = ov.join(params, acc_init, jax.tree.map(jnp.zeros_like, ov.split(params)[1]))
     if dp is None:
@@ -286,6 +315,22 @@ class MicrobatchedGrad:
     else:
       w = over_mesh(dp, core, inputs, acc_init, in_buffer)
     return w if ov is None else trained_window(w, ov, self.reducers)
+
+  def with_terms(self, inputs: Inputs) -> MicrobatchedGrad:
+    """This core for the loss's terms (``_terms``), read from its value on one micro-batch
+    (shapes only): itself for a loss of one term."""
+    opts = self.options
+    check_batch(inputs.batch, self.num_microbatches)
+    params, batch, rng, model_state = (shapes(x) for x in inputs[:4])
+    mb = jax.eval_shape(lambda b: microbatch(b, 0, self.num_microbatches), batch)
+    fn = opts.weighting.fn
+    try:
+      out = jax.eval_shape(lambda *a: opts.loss.call(*a)[0], params, model_state, mb, rng)
+      weights = None if fn is None else jax.eval_shape(fn, mb)
+    except Exception:  # noqa: BLE001 - e.g. a loss with its own shard_map, which needs the
+      return self  # step's mesh: the step's own trace raises its error, or refuses a dict
+    terms = probe(out, weights, fn, opts.where)
+    return self if terms is None else dataclasses.replace(self, options=opts.with_terms(terms))
 
   def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> tuple:
     """The window's units, in the order of ``Window.parts``: :meth:`summed_units` (the sums
@@ -323,6 +368,8 @@ class MicrobatchedGrad:
     k, opts, ov = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
+    if opts.terms is not None and opts.terms.per_term and opts.term_totals is None:
+      opts = opts.for_window(opts.terms.totals(batch, k, num, vary, microbatch))
     fp8 = None if ov is None else Fp8.make(ov, opts.weighting, batch, k, num, vary)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
@@ -357,7 +404,7 @@ class MicrobatchedGrad:
       grads = jax.tree.map(lambda r: _scaled(jax.freeze(r), norm), refs)
       c = (c[0]._replace(grads=grads), *c[1:])
     parts = tuple(unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True))
-    return Window(parts, like.loss, like.aux, num, self.reducers)
+    return Window(parts, like.loss, like.aux, num, self.reducers, terms=opts.terms)
 
 
 def value_and_grad(
@@ -443,7 +490,7 @@ def value_and_grad(
       lambda a, p: a.astype(jnp.result_type(p)), mean_of(w.sums.grads, w.sums.weight), trained
     )
     grads = grads if ov is None else ov.join(params, grads, w.overwrite)
-    loss, aux = w.means()
+    loss, aux, _ = w.means()
     return opts.loss.pack(loss, aux, w.model_state), grads
 
   def vg(params, batch, rng=None, *, num_real_microbatches=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -19,6 +19,7 @@ from gradaccum_jax._checks import (
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
+from gradaccum_jax._terms import REDUCE, Terms
 
 
 def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, Any]:
@@ -35,19 +36,25 @@ def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, A
   return out, None
 
 
-def check_loss(loss: Any, has_aux: bool) -> jax.Array:
-  """The loss as a scalar array (Python numbers accepted, as ``jax.value_and_grad`` does)."""
+def check_loss(loss: Any, has_aux: bool, what: str = "loss_fn") -> Any:
+  """The loss as a scalar array (Python numbers accepted, as ``jax.value_and_grad`` does), or a
+  dict of them: a loss of several terms (``_terms``)."""
+  if isinstance(loss, Mapping) and loss:
+    return {t: check_loss(x, has_aux, f"loss_fn's term {t!r}") for t, x in loss.items()}
   if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
-    raise TypeError(f"loss_fn must return a scalar array, got {type(loss).__name__}.")
+    raise TypeError(
+      f"{what} must return a scalar array (or a dict of them: a loss of several terms), got"
+      f" {type(loss).__name__}."
+    )
   if jnp.shape(loss) != ():
-    hint = "" if has_aux else " If it returns (loss, aux), pass has_aux=True."
+    hint = "" if has_aux or what != "loss_fn" else " If it returns (loss, aux), pass has_aux=True."
     raise ValueError(
-      "loss_fn must return a scalar: the mean loss over its micro-batch; got"
+      f"{what} must return a scalar: the mean loss over its micro-batch; got"
       f" shape {jnp.shape(loss)}.{hint}"
     )
   loss = jnp.asarray(loss)
   if not jnp.issubdtype(loss.dtype, jnp.floating):
-    raise TypeError(f"loss_fn must return a real float loss, got dtype {loss.dtype}.")
+    raise TypeError(f"{what} must return a real float loss, got dtype {loss.dtype}.")
   return loss
 
 
@@ -116,21 +123,50 @@ class Options:
   where: str = "train_step"  # the public function the user called, for errors
   grads_in_place: bool = True  # gradients added into the accumulator where JAX can
   aux_reduce: AuxReducers = AuxReducers()  # how each aux leaf is reduced over a window
+  terms: Terms | None = None  # a loss of several terms (_terms.probe), else None
+  term_totals: Any = None  # with per-term weights, every term's total weight W_t over the window
 
   @property
   def has_state(self) -> bool:
     return self.loss.has_state
 
-  def objective(self, params, model_state, mb, key, scale):
-    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated."""
+  def objective(self, params, model_state, mb, key, scale, only=None):
+    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated (``only``:
+    of one term of a loss of several, ``_terms.Terms.combine``)."""
     dtype = self.compute_dtype
     if dtype is not None:  # mixed precision: float params cast, others unchanged
       params = jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
       )
     loss, aux, new_state = self.loss.call(params, model_state, mb, key)
+    if self.terms is not None:
+      loss, aux = self.terms.combine(loss, aux, mb, self.term_totals, only)
+    elif isinstance(loss, dict):
+      raise TypeError(
+        f"{self.where}: loss_fn returns a dict of terms {list(loss)}, which ga reads by tracing"
+        " it on one micro-batch before the step, and that trace failed (e.g. a loss that calls"
+        " jax.shard_map itself). Return one scalar, the sum of the terms."
+      )
     scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
     return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
+
+  def with_terms(self, terms: Terms | None) -> Options:
+    """These options for a loss of ``terms`` (None: of one term): the terms' window values ride
+    the aux (:data:`_terms.REDUCE`)."""
+    if terms is None:
+      return self
+    spec = {n: r for n, r in REDUCE.items() if terms.per_term or n == "loss_terms"}
+    reducers = AuxReducers((self.aux_reduce.spec, spec), self.where)
+    return dataclasses.replace(self, terms=terms, aux_reduce=reducers)
+
+  def for_window(self, totals: dict) -> Options:
+    """These options in a window whose terms total ``totals``: each micro-batch weighs ``u_i``."""
+    weighting = Weighting(self.terms.weighting(totals))
+    return dataclasses.replace(self, term_totals=totals, weighting=weighting)
+
+  def split_aux(self, aux: Any) -> tuple[Any, dict[str, Any]]:
+    """``(the user's aux, the terms' window values)`` of a window's reduced aux."""
+    return (aux, {}) if self.terms is None else aux
 
   def with_gather(self, gather: str) -> Options:
     """These options with the params gathered ``gather`` ("once" or "per_microbatch")."""

@@ -619,14 +619,17 @@ class Window(NamedTuple):
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
   reducers: AuxReducers = AuxReducers()
   overwrite: Any = None  # an overwritten part's new value (Overwritten; fp8), else None
+  terms: Any = None  # the loss's _terms.Terms (their values ride the aux), else None
 
   sums = property(lambda self: self.parts[0])  # Sums
   noise = property(lambda self: self.parts[1])  # _noise.NoiseSums, or () without the noise scale
   model_state = property(lambda self: self.parts[2])  # after the window (None without has_state)
 
-  def means(self) -> tuple[jax.Array, Any]:
-    """The weighted mean loss and the reduced aux (:func:`window_means`)."""
-    return window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
+  def means(self) -> tuple[jax.Array, Any, dict[str, Any]]:
+    """The weighted mean loss, the reduced aux (:func:`window_means`) and the window values of
+    a loss's terms (``{}`` for one term)."""
+    loss, aux = window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
+    return (loss, aux, {}) if self.terms is None else (loss, *aux)
 
 
 class Unit:

@@ -531,7 +531,7 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
   parts = (sums._replace(grads=grads), *rest)
-  return Window(parts, *like.value[0], num, core.reducers)
+  return Window(parts, *like.value[0], num, core.reducers, terms=core.options.terms)
 
 
 @dataclasses.dataclass(frozen=True)

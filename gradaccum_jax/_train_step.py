@@ -176,7 +176,7 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     # The other sums the state holds (the noise scale's) merged into the open window's.
     for unit, part in zip(mg.summed_units(init)[1:], window.parts[1:], strict=False):
       state = unit.hold(state, unit.merge(unit.held(state), part))
-    loss, aux = window.means()
+    loss, aux, terms = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     mode = "loop" if donated else "select"
     closed = acc.close(
@@ -198,7 +198,7 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     # A voided window restores float model state (statistics), counters advance; None stays None.
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)
-    metrics["updated"] = new_state.updated
+    metrics.update(terms, updated=new_state.updated)
     return new_params, new_model_state, new_state, metrics
 
   return fused
