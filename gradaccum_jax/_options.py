@@ -19,7 +19,7 @@ from gradaccum_jax._checks import (
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
-from gradaccum_jax._terms import REDUCE, Terms
+from gradaccum_jax._terms import REDUCE, Terms, refused
 
 
 def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, Any]:
@@ -142,11 +142,7 @@ class Options:
     if self.terms is not None:
       loss, aux = self.terms.combine(loss, aux, mb, self.term_totals, only)
     elif isinstance(loss, dict):
-      raise TypeError(
-        f"{self.where}: loss_fn returns a dict of terms {list(loss)}, which ga reads by tracing"
-        " it on one micro-batch before the step, and that trace failed (e.g. a loss that calls"
-        " jax.shard_map itself). Return one scalar, the sum of the terms."
-      )
+      raise TypeError(refused(self.where, list(loss)))
     scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
     return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
 

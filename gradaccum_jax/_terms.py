@@ -135,3 +135,21 @@ def probe(loss_out: Any, weights_out: Any, weight_fn: Any, where: str) -> Terms 
       " micro-batch)."
     )
   return Terms(names, weight_fn, where)
+
+
+def refused(where: str, names: list[str]) -> str:
+  """Why ``where`` cannot take a loss of the terms ``names`` here, and what to do instead."""
+  if where == "micro_step":
+    why = (
+      "a call on one micro-batch cannot normalize each term over the window. Use ga.train_step,"
+      " ga.value_and_grad or the Flax steps, which do"
+    )
+  else:  # the probe failed (_microbatch.MicrobatchedGrad.with_terms)
+    why = (
+      "ga reads a loss's terms by tracing it on one micro-batch before the step, and that trace"
+      " failed (e.g. a loss that calls jax.shard_map itself)"
+    )
+  return (
+    f"{where}: loss_fn returns a dict of terms {names}, but {why}; or return one scalar (the sum"
+    " of the terms, weighted as you need)."
+  )

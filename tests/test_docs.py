@@ -236,6 +236,8 @@ def test_docs_python_blocks_run():
   )
   assert_trees_close(ns["stream_params"], fused)
   assert float(ns["stream_metrics"]["loss"]) == pytest.approx(float(fused_metrics["loss"]))
+  # usage.md, several terms: each normalized over the window, the whole batch's step.
+  assert ns["terms_same"] and set(ns["terms_metrics"]["loss_terms"]) == {"tokens", "mtp"}
   # usage.md, MoE: a balance loss trained inside the loss is per micro-batch, not the batch's.
   assert not ns["per_micro"].ok and ns["per_micro"].cause == "batch_dependence"
   # usage.md, FP8: the window's amax histories and scales are the whole batch's.

@@ -54,6 +54,34 @@ def nan_row():
   return fused(dict(BATCH, x=BATCH["x"].at[3, 1].set(jnp.nan)))
 
 
+def empty_term():
+  """A second term whose elements are all in micro-batch 0: in the others it is 0 / 0 (NaN) and
+  weighs 0, and the window's update is the whole batch's, finite ("counted as 0")."""
+  mask = (jnp.arange(16) % K == 0).astype(jnp.float32)
+  batch = dict(BATCH, m=mask)
+
+  def loss_fn(p, mb):
+    x2 = jnp.sum(mb["x"][:, 0] ** 2 * p["layer0"]["w"][0, 0] ** 2 * mb["m"]) / jnp.sum(mb["m"])
+    return {"ce": xent_loss(p, mb), "sq": x2}
+
+  def whole(p):  # the same objective over the whole batch at once
+    x2 = jnp.sum(batch["x"][:, 0] ** 2 * p["layer0"]["w"][0, 0] ** 2 * mask) / jnp.sum(mask)
+    return xent_loss(p, batch) + x2
+
+  new, state, metrics = fused(batch, loss_fn, weight_fn=lambda mb: {"sq": jnp.sum(mb["m"])})
+  want = jax.tree.map(lambda p, g: p - 0.1 * g, PARAMS, jax.grad(whole)(PARAMS))
+  assert bool(metrics["updated"]) and int(state.num_skipped) == 0
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want), strict=True):
+    assert jnp.allclose(a, b, atol=1e-6)
+  return "counted as 0"
+
+
+def terms_in_micro_step():
+  tx = ga.accumulate(optax.sgd(0.1), 2)
+  step = ga.micro_step(lambda p, mb: {"ce": xent_loss(p, mb)}, tx)
+  return step(PARAMS, step.init(PARAMS), BATCH)
+
+
 def schedule(value):
   tx = ga.accumulate(optax.sgd(0.1), lambda count: value)
   return tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))
@@ -237,6 +265,17 @@ TRIGGERS = {
   "`weight_fn` returning `None` or a non-number": lambda: fused(weight_fn=lambda mb: None),
   "`weight_fn` returning an array": lambda: fused(weight_fn=lambda mb: mb["x"][:, 0]),
   "a non-scalar loss": lambda: fused(loss_fn=lambda p, mb: mb["x"] @ p["layer0"]["w"]),
+  "a term of a loss of several terms that is not a scalar": lambda: fused(
+    loss_fn=lambda p, mb: {"ce": xent_loss(p, mb), "aux": mb["x"][:, 0]}
+  ),
+  "`weight_fn` naming a term that `loss_fn` does not return": lambda: fused(
+    loss_fn=lambda p, mb: {"ce": xent_loss(p, mb)}, weight_fn=lambda mb: {"mtp": 1.0}
+  ),
+  "`weight_fn` returning per-term weights for a loss of one scalar": lambda: fused(
+    weight_fn=lambda mb: {"ce": 1.0}
+  ),
+  "a term of weight 0 whose value is NaN (the 0/0 of an empty term)": empty_term,
+  "a loss of several terms in `ga.micro_step`": terms_in_micro_step,
   "`(loss, aux)` returned without `has_aux=True`": lambda: fused(
     loss_fn=lambda p, mb: (xent_loss(p, mb), 1.0)
   ),

@@ -1,0 +1,230 @@
+"""Losses of several terms (docs/usage.md, "Losses with several terms"), against the objective
+written over the whole batch at once: each term's masked sum over the batch divided by its own
+count, plus a term that weighs 1 per micro-batch (its mean over the batch, the micro-batches
+being of one size), differentiated by plain ``jax.grad``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, init_mlp, make_batch, mlp
+
+import gradaccum_jax as ga
+
+B, LR = 32, 0.1
+PARAMS = init_mlp(jax.random.key(0), (6, 8, 3))
+
+
+def make(key=2, k=4):
+  """A batch whose "ce" tokens are ~70 % of the rows and whose "mtp" tokens fall in micro-batch
+  0 only (strided micro-batches: rows 0, k, 2k, ...), so in the others "mtp" is 0 / 0."""
+  batch = make_batch(jax.random.key(1), B)
+  ce = (jax.random.uniform(jax.random.key(key), (B,)) > 0.3).astype(jnp.float32)
+  mtp = ((jnp.arange(B) % k == 0) & (jnp.arange(B) % 3 != 1)).astype(jnp.float32)
+  return dict(batch, ce=ce, mtp=mtp)
+
+
+def row_losses(params, batch):
+  logits = mlp(params, batch["x"])
+  ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=1)[:, 0]
+  return ce, jnp.sum(logits**2, axis=1)
+
+
+def loss_fn(params, mb):
+  ce, sq = row_losses(params, mb)
+  return {
+    "ce": jnp.sum(ce * mb["ce"]) / jnp.sum(mb["ce"]),
+    "mtp": jnp.sum(ce * mb["mtp"]) / jnp.sum(mb["mtp"]),  # NaN where it has no tokens
+    "z": 1e-2 * jnp.mean(sq),  # weighs 1 per micro-batch (weight_fn does not name it)
+  }
+
+
+def weight_fn(mb):
+  return {"ce": jnp.sum(mb["ce"]), "mtp": jnp.sum(mb["mtp"])}
+
+
+def terms_of(params, batch):
+  """Each term's value over the whole batch (the micro-batches are of one size)."""
+  ce, sq = row_losses(params, batch)
+  return {
+    "ce": jnp.sum(ce * batch["ce"]) / jnp.sum(batch["ce"]),
+    "mtp": jnp.sum(ce * batch["mtp"]) / jnp.sum(batch["mtp"]),
+    "z": 1e-2 * jnp.mean(sq),
+  }
+
+
+def objective(params, batch):
+  return sum(terms_of(params, batch).values())
+
+
+def sgd(params, batch):
+  return jax.tree.map(lambda p, g: p - LR * g, params, jax.grad(objective)(params, batch))
+
+
+def first(batch, m, k):
+  """The rows of micro-batches 0..m-1 (a short window)."""
+  return jax.tree.map(
+    lambda *xs: jnp.concatenate(xs), *(ga.microbatch(batch, i, k) for i in range(m))
+  )
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_value_and_grad_is_the_whole_batch_s(k):
+  batch = make(k=k)
+  loss, grads = jax.jit(ga.value_and_grad(loss_fn, k, weight_fn=weight_fn))(PARAMS, batch)
+  want_loss, want = jax.value_and_grad(objective)(PARAMS, batch)
+  assert np.isfinite(float(loss)) and abs(float(loss) - float(want_loss)) < 1e-5
+  assert_trees_close(grads, want)
+
+
+@pytest.mark.parametrize("grads_in_place", [True, False])
+@pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
+def test_train_step_updates_as_the_whole_batch(grads_in_place, accum_dtype):
+  batch, k = make(), 4
+  tx = ga.accumulate(optax.sgd(LR), k, accum_dtype=accum_dtype)
+  step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, grads_in_place=grads_in_place)
+  new, state, metrics = step(PARAMS, tx.init(PARAMS), batch)
+  tol = 1e-6 if accum_dtype == jnp.float32 else 2e-3
+  assert_trees_close(new, sgd(PARAMS, batch), rtol=tol, atol=tol)
+  want = terms_of(PARAMS, batch)
+  assert abs(float(metrics["loss"]) - float(sum(want.values()))) < 1e-5
+  for t, v in want.items():
+    assert abs(float(metrics["loss_terms"][t]) - float(v)) < 1e-5, t
+  counts = {"ce": batch["ce"].sum(), "mtp": batch["mtp"].sum(), "z": k}
+  for t, n in counts.items():
+    assert float(metrics["term_weights"][t]) == pytest.approx(float(n)), t
+  assert int(state.num_skipped) == 0 and bool(metrics["updated"])
+
+
+def test_a_short_window_normalizes_over_its_own_micro_batches():
+  batch, k, m = make(), 4, 2
+  tx = ga.accumulate(optax.sgd(LR), k)
+  new, _, metrics = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(
+    PARAMS, tx.init(PARAMS), batch, num_real_microbatches=m
+  )
+  assert_trees_close(new, sgd(PARAMS, first(batch, m, k)))
+  assert float(metrics["term_weights"]["z"]) == m
+
+
+def test_on_a_mesh_each_term_is_normalized_over_every_device():
+  batch, k = make(k=2), 2
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = ga.accumulate(optax.sgd(LR), k)
+  step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, mesh=mesh, data_axis="data")
+  new, _, metrics = step(PARAMS, tx.init(PARAMS), batch)
+  # Rows of one micro-batch on each device: "mtp" is 0 / 0 on every device but the ones that
+  # hold rows 0, 2, 4, ... of their shard where the mask is set; each term over all of them.
+  assert_trees_close(new, sgd(PARAMS, batch))
+  assert float(metrics["term_weights"]["z"]) == k * 8  # 1 per micro-batch per device
+  assert float(metrics["term_weights"]["mtp"]) == float(batch["mtp"].sum())
+
+
+def test_without_per_term_weights_the_terms_are_summed():
+  """A scalar weight_fn weighs every term alike: the weighted mean of the terms' sum."""
+  batch, k = make(), 4
+  scalar = lambda mb: jnp.sum(mb["ce"])  # noqa: E731
+  simple = lambda p, mb: {"ce": loss_fn(p, mb)["ce"], "z": loss_fn(p, mb)["z"]}  # noqa: E731
+  tx = ga.accumulate(optax.sgd(LR), k)
+  new, _, metrics = ga.train_step(simple, tx, weight_fn=scalar)(PARAMS, tx.init(PARAMS), batch)
+
+  def by_hand(p):
+    ws = [scalar(ga.microbatch(batch, i, k)) for i in range(k)]
+    ls = [sum(simple(p, ga.microbatch(batch, i, k)).values()) for i in range(k)]
+    return sum(w * v for w, v in zip(ws, ls, strict=True)) / sum(ws)
+
+  assert_trees_close(new, jax.tree.map(lambda p, g: p - LR * g, PARAMS, jax.grad(by_hand)(PARAMS)))
+  assert abs(float(metrics["loss"]) - float(by_hand(PARAMS))) < 1e-5
+  assert set(metrics["loss_terms"]) == {"ce", "z"} and "term_weights" not in metrics
+
+
+def test_terms_with_aux_keep_the_aux():
+  batch, k = make(), 4
+
+  def with_aux(p, mb):
+    return loss_fn(p, mb), {"tokens": jnp.sum(mb["ce"]).astype(jnp.int32)}
+
+  tx = ga.accumulate(optax.sgd(LR), k)
+  step = ga.train_step(with_aux, tx, weight_fn=weight_fn, has_aux=True)
+  new, _, metrics = step(PARAMS, tx.init(PARAMS), batch)
+  assert_trees_close(new, sgd(PARAMS, batch))
+  assert int(metrics["aux"]["tokens"]) == int(batch["ce"].sum())  # integers summed
+  loss, grads = ga.value_and_grad(with_aux, k, weight_fn=weight_fn, has_aux=True)(PARAMS, batch)
+  assert int(loss[1]["tokens"]) == int(batch["ce"].sum())
+
+
+def test_a_window_whose_terms_all_weigh_zero_is_voided():
+  batch = dict(make(), ce=jnp.zeros(B), mtp=jnp.zeros(B))
+  only_named = lambda p, mb: {t: v for t, v in loss_fn(p, mb).items() if t != "z"}  # noqa: E731
+  tx = ga.accumulate(optax.sgd(LR), 4)
+  new, state, metrics = ga.train_step(only_named, tx, weight_fn=weight_fn)(
+    PARAMS, tx.init(PARAMS), batch
+  )
+  assert not bool(metrics["updated"]) and int(state.num_skipped) == 1
+  assert_trees_close(new, PARAMS, rtol=0, atol=0)
+
+
+def test_linen_and_nnx_steps_take_terms():
+  flax = pytest.importorskip("flax")
+  del flax
+  import flax.linen as nn
+  from flax import nnx
+  from flax.training import train_state
+
+  batch, k = make(), 4
+  net = nn.Dense(3)
+  variables = net.init(jax.random.key(0), batch["x"][:1])
+
+  def terms(logits, mb):
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), mb["y"][:, None], axis=1)[:, 0]
+    return {"ce": jnp.sum(ce * mb["ce"]) / jnp.sum(mb["ce"]), "mtp": jnp.sum(ce * mb["mtp"]) / jnp.sum(mb["mtp"])}  # fmt: skip
+
+  def whole(params):
+    return sum(terms(net.apply({"params": params}, batch["x"]), batch).values())
+
+  want = jax.tree.map(
+    lambda p, g: p - LR * g, variables["params"], jax.grad(whole)(variables["params"])
+  )
+  ts = train_state.TrainState.create(
+    apply_fn=net.apply, params=variables["params"], tx=ga.accumulate(optax.sgd(LR), k)
+  )
+  ts, metrics = ga.linen_train_step(net, terms, weight_fn=weight_fn)(ts, batch)
+  assert_trees_close(ts.params, want)
+  assert abs(float(metrics["loss"]) - float(whole(variables["params"]))) < 1e-5
+
+  model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+  model.kernel[...] = variables["params"]["kernel"]
+  model.bias[...] = variables["params"]["bias"]
+  optimizer = nnx.Optimizer(model, ga.accumulate(optax.sgd(LR), k), wrt=nnx.Param)
+  step = ga.nnx_train_step(lambda m, mb: terms(m(mb["x"]), mb), weight_fn=weight_fn)
+  metrics = step(model, optimizer, batch)
+  assert_trees_close({"kernel": model.kernel[...], "bias": model.bias[...]}, want)
+  assert set(metrics["loss_terms"]) == {"ce", "mtp"}
+
+
+def test_tx_update_with_totals_known_up_front_is_the_whole_batch_s():
+  """docs/usage.md's recipe for tx.update: differentiate k * sum_t w_t / W_t * L_t, weight 1."""
+  batch, k = make(), 4
+  totals = {"ce": batch["ce"].sum(), "mtp": batch["mtp"].sum(), "z": k}
+  tx = ga.accumulate(optax.sgd(LR), k)
+  params, state = PARAMS, tx.init(PARAMS)
+
+  def scaled(p, mb):
+    w = dict(weight_fn(mb), z=1.0)
+    terms = loss_fn(p, mb)
+    return k * sum(jnp.where(w[t] > 0, w[t] / totals[t] * terms[t], 0.0) for t in terms)
+
+  for i in range(k):
+    mb = ga.microbatch(batch, i, k)
+    grads = jax.grad(scaled)(params, mb)
+    if i > 0:  # "mtp" is 0 / 0 here: its gradient is NaN even where it weighs 0
+      assert not all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+      grads = jax.grad(lambda p, mb=mb: scaled_without_mtp(p, mb, totals, k))(params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  assert_trees_close(params, sgd(PARAMS, batch))
+
+
+def scaled_without_mtp(p, mb, totals, k):
+  terms = loss_fn(p, mb)
+  return k * (jnp.sum(mb["ce"]) / totals["ce"] * terms["ce"] + terms["z"] / totals["z"])
