@@ -79,15 +79,16 @@ def check_float_dtype(dtype: Any, name: str, where: str) -> Any:
   return dtype
 
 
-def check_aux_reduce(spec: Any, has_aux: bool, names: tuple[str, ...], where: str) -> None:
-  """``aux_reduce``'s leaves each one of ``names``, and given only with ``has_aux``."""
+def check_aux_reduce(spec: Any, has_aux: bool, names: tuple[str, ...], where: str,
+                     what: str = "aux_reduce") -> None:  # fmt: skip
+  """``aux_reduce``'s (or ``what``'s) leaves each one of ``names``, given only with ``has_aux``."""
   leaves = jax.tree.leaves(spec)
   if leaves and not has_aux:
-    raise ValueError(f"{where}: aux_reduce={spec!r} is given without has_aux=True.")
+    raise ValueError(f"{where}: {what}={spec!r} is given without has_aux=True.")
   for name in leaves:
     if name not in names:
       raise ValueError(
-        f"{where}: aux_reduce names the reducer {name!r}; each leaf must be one of"
+        f"{where}: {what} names the reducer {name!r}; each leaf must be one of"
         f" {names} (or None for the default)."
       )
 

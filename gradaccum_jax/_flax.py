@@ -99,10 +99,12 @@ class _LinenModel:
   def loss(self, spec: LossSpec, with_stats: bool) -> LossSpec:
     """``spec``'s ``loss_fn(outputs, microbatch)`` as the ``has_state`` loss of ``fused_step``."""
 
-    def loss(params, batch_stats, mb, key=None):
+    def loss(params, batch_stats, mb, *rest):  # rest: (window stats,) (key,)
+      stats = rest[:1] if spec.takes_stats else ()
+      key = rest[len(stats)] if len(rest) > len(stats) else None
       out, new_stats = self.apply(params, batch_stats, mb, key, with_stats)
       try:
-        value, aux = split_output(spec.fn(out, mb), spec.has_aux)
+        value, aux = split_output(spec.fn(out, mb, *stats), spec.has_aux)
       except self.flax.errors.ApplyScopeInvalidVariablesTypeError as e:
         raise TypeError(
           f"ga.linen_train_step calls loss_fn(outputs, microbatch) and applies {self.name}"
@@ -112,6 +114,16 @@ class _LinenModel:
       return spec.pack(value, aux, new_stats)
 
     return dataclasses.replace(spec, fn=loss)
+
+  def window_stats(self, ws: Any, with_stats: bool) -> Any:
+    """``window_stats(outputs, microbatch)`` as the core's (None stays None)."""
+    if ws is None:
+      return None
+
+    def stats(params, batch_stats, mb, key=None):
+      return ws.fn(self.apply(params, batch_stats, mb, key, with_stats)[0], mb)
+
+    return dataclasses.replace(ws, fn=stats)
 
   def momentum(self, params, batch_stats, batch, key) -> float:
     """The one momentum of the module's BatchNorms that update running statistics."""
@@ -155,7 +167,10 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
     m = opts.batchnorm_momentum
     if opts.batchnorm == "per_window" and m is None:
       m = model.momentum(train_state.params, stats, batch, rng)
-    run = dataclasses.replace(opts, loss=model.loss(opts.loss, with_stats), batchnorm_momentum=m)
+    run = dataclasses.replace(
+      opts, loss=model.loss(opts.loss, with_stats), batchnorm_momentum=m,
+      window_stats=model.window_stats(opts.window_stats, with_stats),
+    )  # fmt: skip
     params, new_stats, opt_state, metrics = fused_step(run, tx, donate and jit)(
       train_state.params, stats, train_state.opt_state, batch, rng, num_real_microbatches
     )
@@ -192,6 +207,8 @@ def linen_train_step(
   memory_budget_bytes: int | None = None,
   grads_in_place: bool = True,
   aux_reduce: Any = None,
+  window_stats: Callable[..., Any] | None = None,
+  window_stats_reduce: Any = None,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
@@ -238,7 +255,8 @@ def linen_train_step(
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
-    grads_in_place=grads_in_place, aux_reduce=aux_reduce,
+    grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
+    window_stats_reduce=window_stats_reduce,
   )  # fmt: skip
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   return gathered(lambda o, j: _linen_step(model, o, donate, j), opts, jit)

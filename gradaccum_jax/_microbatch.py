@@ -183,6 +183,17 @@ def _in_place_refs(acc, weighting, batch, k, num, vary) -> tuple[Any, jax.Array 
   return jax.tree.map(lambda a: jax.new_ref(_scaled(a, inverse)), acc), norm
 
 
+def _taker(params: Any, batch: Any, rng: Any, k: int, per_micro: Any) -> Callable[[Any], tuple]:
+  """``i -> (params, microbatch, key)`` of micro-batch ``i``, as :class:`MicroPass` takes them."""
+
+  def take(i: Any) -> tuple:
+    key = None if rng is None else jax.random.fold_in(rng, i)
+    p = params if per_micro is None else per_micro.gather(params, i)
+    return p, microbatch(batch, i, k), key
+
+  return take
+
+
 def _scaled(x: jax.Array, factor: jax.Array | None) -> jax.Array:
   """``x * factor`` in ``x``'s dtype; ``x`` itself for no factor (an unweighted window)."""
   return x if factor is None else x * factor.astype(x.dtype)
@@ -325,7 +336,10 @@ class MicrobatchedGrad:
     mb = jax.eval_shape(lambda b: microbatch(b, 0, self.num_microbatches), batch)
     fn = opts.weighting.fn
     try:
-      out = jax.eval_shape(lambda *a: opts.loss.call(*a)[0], params, model_state, mb, rng)
+      stats = None
+      if opts.window_stats is not None:
+        stats = opts.window_stats.like(params, model_state, mb, rng)
+      out = jax.eval_shape(lambda *a: opts.loss.call(*a)[0], params, model_state, mb, rng, stats)
       weights = None if fn is None else jax.eval_shape(fn, mb)
     except Exception:  # noqa: BLE001 - e.g. a loss with its own shard_map, which needs the
       return self  # step's mesh: the step's own trace raises its error, or refuses a dict
@@ -370,6 +384,12 @@ class MicrobatchedGrad:
     num = k if num_real is None else num_real
     if opts.terms is not None and opts.terms.per_term and opts.term_totals is None:
       opts = opts.for_window(opts.terms.totals(batch, k, num, vary, microbatch))
+    if opts.window_stats is not None:  # a forward-only pass over the window, before its loop
+      stats = opts.window_stats.window(
+        _taker(params, batch, rng, k, per_micro), opts.weighting, model_state,
+        k=k, num=num, vary=vary,
+      )  # fmt: skip
+      opts = dataclasses.replace(opts, stats=stats)
     fp8 = None if ov is None else Fp8.make(ov, opts.weighting, batch, k, num, vary)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
@@ -404,7 +424,9 @@ class MicrobatchedGrad:
       grads = jax.tree.map(lambda r: _scaled(jax.freeze(r), norm), refs)
       c = (c[0]._replace(grads=grads), *c[1:])
     parts = tuple(unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True))
-    return Window(parts, like.loss, like.aux, num, self.reducers, terms=opts.terms)
+    return Window(
+      parts, like.loss, like.aux, num, self.reducers, terms=opts.terms, stats=opts.stats
+    )
 
 
 def value_and_grad(
@@ -424,6 +446,8 @@ def value_and_grad(
   gather_params: str = "once",
   grads_in_place: bool = True,
   aux_reduce: Any = None,
+  window_stats: Callable[..., Any] | None = None,
+  window_stats_reduce: Any = None,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -475,7 +499,8 @@ def value_and_grad(
     "value_and_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
-    grads_in_place=grads_in_place, aux_reduce=aux_reduce,
+    grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
+    window_stats_reduce=window_stats_reduce,
   )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
 

@@ -97,15 +97,19 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
         " 'mean' and 'var' side by side) outside the trained variables: use batchnorm='sequential'."
       )
 
-    def loss(params, rest, mb):
+    def loss(params, rest, mb, *stats):  # stats: (the window statistics,) with window_stats
       merged = nnx.merge(graphdef, params, rest)
-      value = opts.loss.fn(merged, mb)
+      value = opts.loss.fn(merged, mb, *stats)
       value, aux = split_output(value, opts.loss.has_aux, "loss_fn(model, microbatch)")
       new_rest = nnx.as_pure(nnx.split(merged, wrt, ..., graph=graph)[2])
       return opts.loss.pack(value, aux, new_rest)
 
+    def stats(params, rest, mb):
+      return opts.window_stats.fn(nnx.merge(graphdef, params, rest), mb)
+
     spec = dataclasses.replace(opts.loss, fn=loss)
-    run = dataclasses.replace(opts, loss=spec, batchnorm_momentum=momentum)
+    ws = opts.window_stats and dataclasses.replace(opts.window_stats, fn=stats)
+    run = dataclasses.replace(opts, loss=spec, batchnorm_momentum=momentum, window_stats=ws)
     new_params, new_rest, opt_state, metrics = fused_step(run, tx, donate and jit)(
       params, rest, nnx.as_pure(optimizer.opt_state), batch, None, num_real_microbatches
     )
@@ -143,6 +147,8 @@ def nnx_train_step(
   memory_budget_bytes: int | None = None,
   grads_in_place: bool = True,
   aux_reduce: Any = None,
+  window_stats: Callable[..., Any] | None = None,
+  window_stats_reduce: Any = None,
 ) -> Callable[..., dict[str, Any]]:
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -191,6 +197,7 @@ def nnx_train_step(
     # The trained variables are an nnx.State: a nested dict of specs is read as one.
     param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
     gather_params=gather_params, memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
-    grads_in_place=grads_in_place, aux_reduce=aux_reduce,
+    grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
+    window_stats_reduce=window_stats_reduce,
   )  # fmt: skip
   return gathered(lambda o, j: _nnx_step(nnx, o, donate, j), opts, jit)

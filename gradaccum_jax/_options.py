@@ -20,6 +20,7 @@ from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 from gradaccum_jax._terms import REDUCE, Terms, refused
+from gradaccum_jax._window_stats import WindowStats
 
 
 def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, Any]:
@@ -65,10 +66,13 @@ class LossSpec:
   fn: Callable[..., Any]
   has_aux: bool
   has_state: bool
+  takes_stats: bool = False  # the window's statistics after the micro-batch (window_stats=)
 
-  def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> tuple[Any, Any, Any]:
-    """``(loss, aux, new_model_state)`` of one micro-batch."""
+  def call(self, params: Any, model_state: Any, mb: Any, key: Any, stats: Any = None
+           ) -> tuple[Any, Any, Any]:  # fmt: skip
+    """``(loss, aux, new_model_state)`` of one micro-batch (``stats``: the window's)."""
     args = (params, model_state, mb) if self.has_state else (params, mb)
+    args = (*args, stats) if self.takes_stats else args
     args = args if key is None else (*args, key)
     self._check_signature(len(args))
     out = self.fn(*args)
@@ -91,7 +95,8 @@ class LossSpec:
       return
     except TypeError:
       called = "params, model_state, microbatch" if self.has_state else "params, microbatch"
-      if n > 2 + self.has_state:
+      called += ", stats" if self.takes_stats else ""
+      if n > 2 + self.has_state + self.takes_stats:
         called += ", rng"
         fix = "add an rng argument to loss_fn, or call the step without rng="
       else:
@@ -125,6 +130,8 @@ class Options:
   aux_reduce: AuxReducers = AuxReducers()  # how each aux leaf is reduced over a window
   terms: Terms | None = None  # a loss of several terms (_terms.probe), else None
   term_totals: Any = None  # with per-term weights, every term's total weight W_t over the window
+  window_stats: WindowStats | None = None  # statistics of the window the loss reads, else None
+  stats: Any = None  # their value in a window (_window_stats.WindowStats.window)
 
   @property
   def has_state(self) -> bool:
@@ -138,7 +145,7 @@ class Options:
       params = jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
       )
-    loss, aux, new_state = self.loss.call(params, model_state, mb, key)
+    loss, aux, new_state = self.loss.call(params, model_state, mb, key, self.stats)
     if self.terms is not None:
       loss, aux = self.terms.combine(loss, aux, mb, self.term_totals, only)
     elif isinstance(loss, dict):
@@ -187,6 +194,8 @@ def make_options(
   momentum_from_model: bool = False,
   grads_in_place: bool = True,
   aux_reduce: Any = None,
+  window_stats: Callable[..., Any] | None = None,
+  window_stats_reduce: Any = None,
 ) -> Options:
   """Validates the options of ``where`` (a public function's name) and builds them."""
   check_function(loss_fn, f"{where}: loss_fn must be a function")
@@ -196,8 +205,20 @@ def make_options(
   if compute_dtype is not None:
     compute_dtype = check_float_dtype(compute_dtype, "compute_dtype", where)
   check_aux_reduce(aux_reduce, bool(has_aux), reducer_names(), where)
+  stats = None
+  if window_stats is not None:
+    check_function(window_stats, f"{where}: window_stats must be a function")
+    check_aux_reduce(window_stats_reduce, True, reducer_names(), where, "window_stats_reduce")
+    reducers = AuxReducers(window_stats_reduce, where)
+    stats = WindowStats(window_stats, reducers, bool(has_state))
+  elif window_stats_reduce is not None:
+    raise ValueError(
+      f"{where}: window_stats_reduce={window_stats_reduce!r} is given without window_stats="
+      " (the function whose values it reduces)."
+    )
   return Options(
-    loss=LossSpec(loss_fn, bool(has_aux), bool(has_state)),
+    loss=LossSpec(loss_fn, bool(has_aux), bool(has_state), stats is not None),
+    window_stats=stats,
     weighting=Weighting(weight_fn),
     batchnorm=batchnorm,
     batchnorm_momentum=None if batchnorm_momentum is None else float(batchnorm_momentum),

@@ -620,6 +620,7 @@ class Window(NamedTuple):
   reducers: AuxReducers = AuxReducers()
   overwrite: Any = None  # an overwritten part's new value (Overwritten; fp8), else None
   terms: Any = None  # the loss's _terms.Terms (their values ride the aux), else None
+  stats: Any = None  # the window statistics the loss read (window_stats=), else None
 
   sums = property(lambda self: self.parts[0])  # Sums
   noise = property(lambda self: self.parts[1])  # _noise.NoiseSums, or () without the noise scale

@@ -523,21 +523,23 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
     tuple(p.manual for p in seed_plans),
   )
   # The sums' gradients as the params are laid out; every other part is replicated (reduced).
-  out_specs = ((Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P()), P())
-  (sums, rest), like = shard_map_over_data(per_device, dp, in_specs, out_specs)(inputs, seeds)
+  out_specs = ((Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P()), P())
+  (sums, rest, stats), like = shard_map_over_data(per_device, dp, in_specs, out_specs)(
+    inputs, seeds
+  )
   grads = treedef.unflatten([
     g if s else a + g.astype(a.dtype)
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
   parts = (sums._replace(grads=grads), *rest)
-  return Window(parts, *like.value[0], num, core.reducers, terms=core.options.terms)
+  return Window(parts, *like.value[0], num, core.reducers, terms=core.options.terms, stats=stats)
 
 
 @dataclasses.dataclass(frozen=True)
 class _OverMesh:
   """:func:`over_mesh`'s body on one device: its rows' scan, then the reduction over devices;
-  returns ``(the sums, the other parts)`` and one micro-batch's loss and aux shapes (a
+  returns ``(the sums, the other parts, the window statistics)`` and one micro-batch's loss and aux shapes (a
   ``_parts.Static``)."""
 
   dp: DataParallel
@@ -567,7 +569,7 @@ class _OverMesh:
     w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook, units=units)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
     sums, *others = (unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
-    return (sums, tuple(others)), Static.shapes((w.loss_like, w.aux_like))
+    return (sums, tuple(others), w.stats), Static.shapes((w.loss_like, w.aux_like))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:

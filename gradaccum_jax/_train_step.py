@@ -53,6 +53,8 @@ def train_step(
   memory_budget_bytes: int | None = None,
   grads_in_place: bool = True,
   aux_reduce: Any = None,
+  window_stats: Callable[..., Any] | None = None,
+  window_stats_reduce: Any = None,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -101,7 +103,8 @@ def train_step(
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, grads_in_place=grads_in_place,
-    aux_reduce=aux_reduce,
+    aux_reduce=aux_reduce, window_stats=window_stats,
+    window_stats_reduce=window_stats_reduce,
   )  # fmt: skip
 
   def build(o: Options, jit: bool = True):
@@ -199,6 +202,8 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)
     metrics.update(terms, updated=new_state.updated)
+    if window.stats is not None:
+      metrics["window_stats"] = window.stats
     return new_params, new_model_state, new_state, metrics
 
   return fused

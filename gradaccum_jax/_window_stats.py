@@ -1,0 +1,85 @@
+"""Statistics of the whole window that the loss reads (docs/usage.md, "Window statistics the
+loss reads"): a global-batch balance loss needs the window's expert fractions in every
+micro-batch's backward pass.
+
+Before the window's loop a forward-only pass runs ``window_stats`` on each micro-batch (from the
+window's params and model state, each micro-batch with the key its loss gets), reduces the
+values by the aux reducers (``window_stats_reduce``, the names of ``aux_reduce``: integers
+summed, floats averaged with the micro-batches' weights by default), and on a mesh over the
+devices, once. Every micro-batch's ``loss_fn`` then gets the window's value, under
+``jax.lax.stop_gradient``, as its argument after the micro-batch. The pass holds one
+micro-batch's forward activations at a time and keeps none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._parts import COLLECTIVES, AuxReducers
+from gradaccum_jax._sharding import to_varying
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowStats:
+  """``stats_fn(params, [model_state,] microbatch[, rng])`` (the core's signature; the front ends
+  translate theirs) and its reducers."""
+
+  fn: Callable[..., Any]
+  reducers: AuxReducers
+  has_state: bool
+
+  def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> Any:
+    args = (params, model_state, mb) if self.has_state else (params, mb)
+    return self.fn(*args) if key is None else self.fn(*args, key)
+
+  def like(self, params: Any, model_state: Any, mb: Any, key: Any) -> Any:
+    """The window value's shapes and dtypes, from one micro-batch's (all abstract)."""
+    one = jax.eval_shape(self.call, params, model_state, mb, key)
+    final = jax.eval_shape(lambda x: self.reducers.final(self.reducers.init(x), 1.0, x), one)
+    return final
+
+  def window(self, take: Callable, weighting: Any, model_state: Any, *, k: int, num: Any,
+             vary: tuple) -> Any:  # fmt: skip
+    """The window's statistics over its first ``num`` of ``k`` micro-batches and the devices
+    ``vary``; ``take(i)``: micro-batch ``i``'s ``(params, microbatch, key)`` as its loss gets
+    them; ``weighting``: the window's (each micro-batch's weight, as the sums take it)."""
+    wt, reducers = weighting, self.reducers
+
+    def one(i: Any) -> tuple[Any, jax.Array]:
+      params, mb, key = take(i)
+      return self.call(params, model_state, mb, key), wt.of(mb)
+
+    like = jax.eval_shape(lambda: one(0)[0])
+    start = (reducers.init(like), jnp.zeros((), jnp.float32))
+    start = to_varying(start, vary) if vary else start
+
+    def body(c: tuple, i: Any) -> tuple:
+      acc, weight = c
+      x, w = one(i)
+      return (reducers.add(acc, x, w, wt.weighted), weight + wt.total(w)), None
+
+    if isinstance(num, int):
+      (acc, weight), _ = jax.lax.scan(body, start, jnp.arange(num))
+    else:
+      acc, weight = jax.lax.fori_loop(0, num, lambda i, c: body(c, i)[0], start)
+    if vary:
+      acc, weight = _over_devices(reducers, acc, weight, vary, wt.weighted)
+    return jax.lax.stop_gradient(reducers.final(acc, weight, like))
+
+
+def _over_devices(reducers: AuxReducers, acc: Any, weight: jax.Array, vary: tuple, weighted: bool):
+  """A device's partial reductions combined over ``vary`` as the window's aux are: each leaf's
+  share by its reducer's collective; unweighted, each device's micro-batch weighs 1 / D."""
+  devices = jax.lax.psum(1, vary)
+  acc = reducers.share(acc, devices, weighted)
+  weight = weight if weighted else weight / devices
+  parts = reducers.split(acc)
+  parts["sum"] = (parts["sum"], weight)
+  got = {n: COLLECTIVES[n][0](t, vary) for n, t in parts.items()}
+  got["sum"], weight = got["sum"]
+  return reducers.join(got), weight
