@@ -137,6 +137,9 @@ def test_models_nnx_check_equivalence():
   assert (int(optimizer.step[...]), int(optimizer.opt_state.count[...])) == (1, 1)
   after = float(ns["model_loss"](ns["model"], ns["batch"]))
   assert float(ns["token_loss"](ns["params"], ns["batch"])) == after != float(ns["whole_loss"])
+  # The MoE section: the global-batch balance loss from the window's statistics, the whole
+  # batch's step.
+  assert ns["moe_same"] and int(ns["moe_metrics"]["window_stats"]["tokens"]) == 64
 
 
 def test_architecture_adds_a_statistic_with_one_table_entry():
