@@ -121,7 +121,6 @@ CARRIED_BECAUSE = {
   "running_mean": "a 16-bit accumulator keeps a running mean",
   "narrow_loss": "a weighted loss narrower than float32 would round each weight in its seed",
   "streaming": "micro_step adds in place only when donated and without a mesh",
-  "terms": "per-term weights: a gradient that is not finite is taken again term by term",
 }
 
 
@@ -239,6 +238,8 @@ class MicroPass:
     key = None if rng is None else jax.random.fold_in(rng, i)
     p = params if self.per_micro is None else self.per_micro.gather(params, i)
     w = opts.weighting.of(mb)
+    if opts.term_totals is not None:  # per-term weights: the terms of weight 0 checked first
+      return self.by_term(p, start, mb, key, w)
     if self.refs is not None:  # added in place: the units see no gradient
       seed = None if self.norm is None else w / self.norm
       objective = functools.partial(opts.objective, model_state=start, mb=mb, key=key, scale=scale)
@@ -248,29 +249,57 @@ class MicroPass:
     grad_fn = jax.value_and_grad(opts.objective, has_aux=True)
     with jax.named_scope(CARRIED_SCOPE + (self.why or "")):  # ga.inspect_step reads why
       (_, (loss, aux, new_state)), grads = grad_fn(p, start, mb, key, seed)
-    if opts.term_totals is not None:
-      grads = self.by_term(grads, p, start, mb, key, seed)
     if fp8 is not None:
       grads, aux = fp8.split(grads, aux, w)
     return Micro(loss, aux, grads, w, new_state)
 
-  def by_term(self, grads: Any, p: Any, start: Any, mb: Any, key: Any, seed: Any) -> Any:
-    """``grads``, or where a leaf is not finite each term's gradient taken alone and summed, the
-    terms of weight 0 left out: an empty term's 0 / 0 (NaN, whose backward pass is NaN even at a
-    cotangent of 0) adds nothing, as a micro-batch of weight 0 adds nothing."""
-    opts = self.opts
+  def by_term(self, p: Any, start: Any, mb: Any, key: Any, w: jax.Array) -> Micro:
+    """A micro-batch of a loss with per-term weights (``_terms``): one backward pass where every
+    term of weight 0 is finite, else one per term of positive weight, each from a forward pass
+    of its own. An empty term's 0 / 0 is NaN, and so is its backward pass even at a cotangent of
+    0: a term of weight 0 then adds nothing, as a micro-batch of weight 0 adds nothing. The
+    gradient is added into the Refs in place, or carried."""
+    opts, fp8, in_place = self.opts, self.fp8, self.refs is not None
+    scale = self.inputs.scale
+    scale = scale if in_place or fp8 is None else fp8.seed(w, scale)  # the objective's factor
     coef = opts.terms.coefficients(mb, opts.term_totals)
 
-    def one(t: str) -> Any:
-      grad = jax.grad(lambda q: opts.objective(q, start, mb, key, seed, only=t)[0])
-      return jax.lax.cond(coef[t] > 0, grad, lambda q: jax.tree.map(jnp.zeros_like, q), p)
+    def f(q: Any, only: str | None = None, checked: bool = False) -> Any:
+      return opts.objective(q, start, mb, key, scale, only, checked)
 
-    def each(_):
-      per_term = [one(t) for t in opts.terms.names]
-      return jax.tree.map(lambda *g: sum(g[1:], g[0]), *per_term)
+    def backward(out: jax.Array, vjp_fn: Any) -> Any:
+      seed = jnp.ones_like(out) if not in_place else (w / self.norm).astype(out.dtype)
+      if not in_place:
+        return vjp_fn(seed)[0]
+      vjp_fn.with_refs(self.refs)(seed)
+      return ()
 
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    return jax.lax.cond(finite, lambda _: grads, each, None)
+    def nothing(_) -> Any:
+      return () if in_place else jax.tree.map(jnp.zeros_like, p)
+
+    def one(t: str) -> Any:  # term t alone: its backward pass reads no other term
+      def run(_):
+        out, vjp_fn = jax.vjp(lambda q: f(q, only=t)[0], p)
+        return backward(out, vjp_fn)
+
+      return jax.lax.cond(coef[t] > 0, run, nothing, None)
+
+    def each(_) -> Any:
+      total = nothing(None)
+      for t in opts.terms.names:  # added one at a time
+        g = one(t)
+        total = total if in_place else jax.tree.map(jnp.add, total, g)
+      return total
+
+    scope = IN_PLACE_SCOPE if in_place else CARRIED_SCOPE + (self.why or "")
+    with jax.named_scope(scope):  # ga.inspect_step reads the path
+      out, vjp_fn, (loss, aux, new_state, clean) = jax.vjp(
+        lambda q: f(q, checked=True), p, has_aux=True
+      )
+      grads = jax.lax.cond(clean, lambda _: backward(out, vjp_fn), each, None)
+    if fp8 is not None:
+      grads, aux = fp8.split(grads, aux, w)
+    return Micro(loss, aux, grads, w, new_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +326,6 @@ class MicrobatchedGrad:
       ("noise", self.noise_sums),
       ("per_microbatch", per_micro is not None),
       ("fp8", self.overwrite is not None),
-      ("terms", self.options.terms is not None and self.options.terms.per_term),
       ("running_mean", keeps_running_means(acc_init)),  # a narrow float keeps a mean, not a sum
     ):
       if needs:

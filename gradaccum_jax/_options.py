@@ -137,21 +137,24 @@ class Options:
   def has_state(self) -> bool:
     return self.loss.has_state
 
-  def objective(self, params, model_state, mb, key, scale, only=None):
+  def objective(self, params, model_state, mb, key, scale, only=None, checked=False):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated (``only``:
-    of one term of a loss of several, ``_terms.Terms.combine``)."""
+    of one term of a loss of several; ``checked``: the rest also says whether every term of
+    weight 0 is finite, ``_terms.Terms.combine``)."""
     dtype = self.compute_dtype
     if dtype is not None:  # mixed precision: float params cast, others unchanged
       params = jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
       )
     loss, aux, new_state = self.loss.call(params, model_state, mb, key, self.stats)
+    clean = jnp.ones((), bool)
     if self.terms is not None:
-      loss, aux = self.terms.combine(loss, aux, mb, self.term_totals, only)
+      loss, aux, clean = self.terms.combine(loss, aux, mb, self.term_totals, only)
     elif isinstance(loss, dict):
       raise TypeError(refused(self.where, list(loss)))
     scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-    return (scaled if scale is None else scaled * scale), (loss, aux, new_state)
+    rest = (loss, aux, new_state, clean) if checked else (loss, aux, new_state)
+    return (scaled if scale is None else scaled * scale), rest
 
   def with_terms(self, terms: Terms | None) -> Options:
     """These options for a loss of ``terms`` (None: of one term): the terms' window values ride

@@ -63,18 +63,20 @@ class Terms:
     return u, {t: _ratio(f, u) for t, f in fracs.items()}
 
   def combine(self, loss: dict, aux: Any, mb: Any, totals: dict | None, only: str | None = None
-              ) -> tuple[jax.Array, Any]:  # fmt: skip
-    """``(the micro-batch's loss as the sums take it, (aux, the terms' values))``: ``o_i / u_i``
-    with per-term weights (a term of weight 0 adds nothing, even NaN), else ``sum_t L_it``;
-    ``only``: of that term alone (its gradient then reads no other term)."""
+              ) -> tuple[jax.Array, Any, jax.Array]:  # fmt: skip
+    """``(the micro-batch's loss as the sums take it, (aux, the terms' values), whether every term
+    of weight 0 is finite)``: ``o_i / u_i`` with per-term weights (a term of weight 0 adds
+    nothing, even NaN), else ``sum_t L_it``; ``only``: of that term alone (its gradient then
+    reads no other term)."""
     if not self.per_term:
-      return sum(loss.values()), (aux, {"loss_terms": loss})
+      return sum(loss.values()), (aux, {"loss_terms": loss}), jnp.ones((), bool)
     w = self.weights(mb)
     _, coef = self.shares(w, totals)
     parts = {t: jnp.where(coef[t] > 0, coef[t] * loss[t].astype(jnp.float32), 0.0) for t in loss}
     wide = jnp.promote_types(_dtype(loss), jnp.float32)
     total = (parts[only] if only else sum(parts.values())).astype(wide)
-    return total, (aux, {"loss_terms": parts, "term_weights": w})
+    clean = jnp.all(jnp.stack([jnp.isfinite(loss[t]) | (coef[t] > 0) for t in loss]))
+    return total, (aux, {"loss_terms": parts, "term_weights": w}), clean
 
   def coefficients(self, mb: Any, totals: dict) -> dict[str, jax.Array]:
     """Each term's coefficient in micro-batch ``mb``'s loss (:meth:`shares`)."""
