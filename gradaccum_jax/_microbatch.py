@@ -284,12 +284,14 @@ class MicroPass:
 
       return jax.lax.cond(coef[t] > 0, run, nothing, None)
 
-    def each(_) -> Any:
-      total = nothing(None)
-      for t in opts.terms.names:  # added one at a time
-        g = one(t)
-        total = total if in_place else jax.tree.map(jnp.add, total, g)
-      return total
+    def each(_) -> Any:  # a loop over the terms: one term's gradient held at a time
+      branches = [lambda _, t=t: one(t) for t in opts.terms.names]
+
+      def body(j: Any, total: Any) -> Any:
+        g = jax.lax.switch(j, branches, None)
+        return total if in_place else jax.tree.map(jnp.add, total, g)
+
+      return jax.lax.fori_loop(0, len(branches), body, nothing(None))
 
     scope = IN_PLACE_SCOPE if in_place else CARRIED_SCOPE + (self.why or "")
     with jax.named_scope(scope):  # ga.inspect_step reads the path

@@ -228,3 +228,30 @@ def test_tx_update_with_totals_known_up_front_is_the_whole_batch_s():
 def scaled_without_mtp(p, mb, totals, k):
   terms = loss_fn(p, mb)
   return k * (jnp.sum(mb["ce"]) / totals["ce"] * terms["ce"] + terms["z"] / totals["z"])
+
+
+@pytest.mark.parametrize("grads_in_place", [True, False])
+def test_per_term_weights_keep_the_in_place_add_and_its_peak(grads_in_place):
+  """Where JAX adds in place, a loss with per-term weights does too (its empty terms are
+  checked on the forward pass), and its compiled peak is the one-term step's plus at most three
+  micro-batches' activations (the pass term by term runs a forward pass of its own beside the
+  first one's residuals); carried, plus one gradient (the terms' sum beside one term's)."""
+  params = init_mlp(jax.random.key(0), (64, 256, 3))
+  batch, k = dict(make(), **make_batch(jax.random.key(1), B, d_in=64)), 4
+  tx = ga.accumulate(optax.adam(1e-3), k)
+  kw = dict(donate=True, grads_in_place=grads_in_place)
+  one = ga.train_step(
+    lambda p, mb: sum(loss_fn(p, mb).values()), tx, weight_fn=lambda mb: jnp.sum(mb["ce"]), **kw
+  )
+  terms = ga.train_step(loss_fn, tx, weight_fn=weight_fn, **kw)
+  r_one = ga.inspect_step(one, params, tx.init(params), batch)
+  r_terms = ga.inspect_step(terms, params, tx.init(params), batch)
+  assert r_terms.grads_in_place == r_one.grads_in_place
+  A = sum(x.size * 4 for x in jax.tree.leaves(params))
+  residuals = (B // k) * (64 + 256 + 3) * 4  # one micro-batch's activations, float32
+  peaks = [
+    s.lower(params, tx.init(params), batch).compile().memory_analysis().temp_size_in_bytes
+    for s in (one, terms)
+  ]
+  extra = 3 * residuals + (0 if r_terms.grads_in_place else A)
+  assert 0 <= peaks[1] - peaks[0] <= extra, (peaks, A, residuals)

@@ -199,3 +199,26 @@ def test_window_stats_errors_name_the_argument():
   step = ga.train_step(lambda p, mb: jnp.mean(mb["x"]), tx, window_stats=stats_fn)
   with pytest.raises(TypeError, match=r"loss_fn\(params, microbatch, stats\)"):
     step(params, tx.init(params), batch)
+
+
+def _peak(step, *args):
+  a = step.lower(*args).compile().memory_analysis()
+  return (
+    a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes + a.temp_size_in_bytes
+  )
+
+
+def test_the_statistics_pass_holds_no_more_than_one_micro_batch_s_forward():
+  """Compiled peaks (deterministic): the step reading the window's statistics against the same
+  step whose loss computes them from its own micro-batch differ by less than one micro-batch's
+  forward activations (its hidden states, b x D floats per block); the in-place add is kept."""
+  params, (batch,) = init(jax.random.key(0)), batches(1)
+  tx = ga.accumulate(optax.adam(1e-3), 4)
+  own = ga.train_step(lambda p, mb: loss_fn(p, mb, stats_fn(p, mb)), tx, donate=True)
+  window = ga.train_step(loss_fn, tx, window_stats=stats_fn, donate=True)
+  activations = (B // 4) * D * L * 4
+  gap = _peak(window, params, tx.init(params), batch) - _peak(own, params, tx.init(params), batch)
+  assert abs(gap) < activations, (gap, activations)
+  report = ga.inspect_step(window, params, tx.init(params), batch)
+  own_report = ga.inspect_step(own, params, tx.init(params), batch)
+  assert report.grads_in_place == own_report.grads_in_place
