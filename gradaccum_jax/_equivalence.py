@@ -534,9 +534,8 @@ def _host(tree):
   """Host copies of the arrays (PRNG keys, which numpy cannot hold, copied on the device)."""
 
   def host(x):
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      return x.copy()
-    return np.asarray(x)
+    key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return x.copy() if key else np.asarray(x)
 
   return jax.tree.map(host, tree)
 
@@ -560,7 +559,6 @@ def _host_arguments(params, state, batch) -> Any:
 
 
 def _inner_of(state) -> Any:
-  """The inner optimizer's state in ``state``: a ``ga`` state's, else ``state`` itself."""
   ga = _ga_state(state)
   return state if ga is None else ga.inner_state
 

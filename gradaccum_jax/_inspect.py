@@ -19,7 +19,8 @@ KINDS = (
   "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "ragged-all-to-all",
   "collective-permute", "collective-broadcast",
 )  # fmt: skip
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+# A computation: its header line, ending in "{", then its lines up to one starting with "}".
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s[^\n]*\{ *\n(.*?)^\}", re.M | re.S)
 _CALLED = re.compile(
   r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
   r"|(?:branch_computations|called_computations)=\{([^}]*)\}"
@@ -33,17 +34,7 @@ _ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
   """``{computation name: its instruction lines}`` of an HLO module's text."""
-  comps: dict[str, list[str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = comps.setdefault(header.group(1), [])
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      current.append(line)
-  return comps
+  return {m[1]: m[2].splitlines() for m in _COMPUTATION.finditer(hlo_text)}
 
 
 def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
