@@ -479,12 +479,13 @@ def _run_window(step, loss_fn, params, opt_state, batch) -> _Window:
     raise TypeError(f"batch is missing: {_HOW}")
   if is_nnx:  # the reference's loss on the trained variables (optimizer.wrt), the rest held
     graphdef, trained, rest = nnx.split(params, opt_state.wrt, ..., graph=opt_state.graph)
+    rest, model_loss = nnx.as_pure(rest), loss_fn
     host = _host_arguments(nnx.as_pure(trained), nnx.as_pure(opt_state.opt_state), batch)
     whole, parts = nnx.split((params, opt_state))  # copied: nnx.clone shares the arrays
     model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
     metrics = _call(step, model, optimizer, _copies(batch), copy=False)
     new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
-    new_state, rest, model_loss = nnx.as_pure(optimizer.opt_state), nnx.as_pure(rest), loss_fn
+    new_state = nnx.as_pure(optimizer.opt_state)
 
     def loss_fn(params, batch):
       return model_loss(nnx.merge(graphdef, params, rest), batch)
