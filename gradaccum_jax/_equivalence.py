@@ -151,9 +151,7 @@ def check_equivalence(
   keys = [() if rng is None else (jax.random.fold_in(rng, i),) for i in range(k)]
   loss_acc, g_acc = split(jax.jit(acc_fn)(params, batch, *extra))
   if mesh is not None:  # the reference is the single-device whole batch, via the host
-    params, batch, g_acc = jax.device_put(
-      jax.tree.map(np.asarray, (params, batch, g_acc)), jax.devices()[0]
-    )
+    params, batch, g_acc = jax.device_put(_host((params, batch, g_acc)), jax.devices()[0])
   loss_whole, g_whole = split(vg(params, batch, *extra))
   mbs = [microbatch(batch, i, k) for i in range(k)]  # in ga's order: rows i, i + k, ...
   micro = [split(vg(params, mb, *key)) for mb, key in zip(mbs, keys, strict=True)]
@@ -691,11 +689,10 @@ def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
     norm = norm if np.isfinite(norm) else np.inf
     compared.append("metrics['grad_norm']")
   errors = list(grad_rel.values()) + ([] if norm is None else [norm])
-  grads_ok = all(e <= rtol for e in errors)
   what = " and ".join(compared) or "nothing: inner_tx keeps no moment of it and is not linear in it"
   if not scale > 0 and not grad_rel:
     reason = _ZERO_UPDATE.format(what)
-  elif not grads_ok:
+  elif not all(e <= rtol for e in errors):
     reason = _GRADIENT_DIFFERS
   elif not all(within.values()):
     reason = _UPDATE_DIFFERS.format(", while its gradient is the whole batch's" if grad_rel else "")
