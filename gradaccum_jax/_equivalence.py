@@ -23,6 +23,10 @@ from gradaccum_jax._microbatch import microbatch, value_and_grad
 _MAX_FIT_COORDS = 65536
 
 
+def _wrap(text: str) -> str:
+  return textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    ")
+
+
 @dataclasses.dataclass(frozen=True)
 class EquivalenceReport:
   """The result of :func:`check_equivalence`; ``str(report)`` is a readable diagnosis.
@@ -75,8 +79,7 @@ class EquivalenceReport:
       text = f"likely reason ({self.cause}): {self.reason}"
       # A suggested ``lambda mb: ...`` stays on one line, to copy: its spaces do not break.
       text = re.sub(r"lambda mb: \S+", lambda m: m.group(0).replace(" ", "\xa0"), text)
-      wrapped = textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    ")
-      lines.append(wrapped.replace("\xa0", " "))
+      lines.append(_wrap(text).replace("\xa0", " "))
     return "\n".join(lines)
 
 
@@ -148,9 +151,7 @@ def check_equivalence(
   keys = [() if rng is None else (jax.random.fold_in(rng, i),) for i in range(k)]
   loss_acc, g_acc = split(jax.jit(acc_fn)(params, batch, *extra))
   if mesh is not None:  # the reference is the single-device whole batch, via the host
-    params, batch, g_acc = jax.device_put(
-      jax.tree.map(np.asarray, (params, batch, g_acc)), jax.devices()[0]
-    )
+    params, batch, g_acc = jax.device_put(_host((params, batch, g_acc)), jax.devices()[0])
   loss_whole, g_whole = split(vg(params, batch, *extra))
   mbs = [microbatch(batch, i, k) for i in range(k)]  # in ga's order: rows i, i + k, ...
   micro = [split(vg(params, mb, *key)) for mb, key in zip(mbs, keys, strict=True)]
@@ -344,10 +345,6 @@ class StepCheck:
     return "\n".join(rows)
 
 
-def _wrap(text: str) -> str:
-  return textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    ")
-
-
 _NOISE = (
   "~ optimizer noise: the update differs where the gradient is within rtol of 0, by no more"
   " than inner_tx moves for a gradient within rtol of the whole batch's (Adam moves such entries"
@@ -428,8 +425,10 @@ def check_step(
   if not check_real(rtol, "rtol must be a positive float") > 0:
     raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
   window = _run_window(step, loss_fn, params, opt_state, batch)
-  if inner_state is None:
-    inner_state = _reference_state(window.state, inner_tx, window.params)
+  if inner_state is None:  # the step's where it has inner_tx's structure
+    found, like = _inner_of(window.state), jax.eval_shape(inner_tx.init, window.params)
+    same = found is not None and jax.tree.structure(found) == jax.tree.structure(like)
+    inner_state = found if same else inner_tx.init(window.params)
   ref = _whole_batch(window, inner_tx, has_aux, inner_state, float(rtol))
   if jax.tree.structure(window.new_params) != jax.tree.structure(ref.params):
     raise ValueError(
@@ -463,78 +462,58 @@ _HOW = (
 def _run_window(step, loss_fn, params, opt_state, batch) -> _Window:
   """Runs one window of ``step`` on copies of its arguments, by the kind of step."""
   nnx = sys.modules.get("flax.nnx")
-  if nnx is not None and isinstance(params, nnx.Module):
-    return _run_nnx(nnx, step, loss_fn, params, opt_state, batch)
   train_state = sys.modules.get("flax.training.train_state")
-  if train_state is not None and isinstance(params, train_state.TrainState):
-    if batch is not None and opt_state is not None:
-      raise TypeError(f"A TrainState's step takes (train_state, batch): {_HOW}")
-    batch = opt_state if batch is None else batch
-    if batch is None:
-      raise TypeError(f"batch is missing: {_HOW}")
-    _refuse_open_window(params.opt_state)
-    host = _host((params.params, params.opt_state, batch))
-    out = _call(step, params, batch)
-    new, metrics = out if isinstance(out, tuple | list) else (out, None)
-    new_params, new_state = _host((new.params, new.opt_state))
-    return _Window(host[0], host[2], loss_fn, new_params, host[1], new_state, metrics)
-  if batch is None:
-    raise TypeError(f"batch is missing: {_HOW}")
-  if isinstance(step, MicroStep):
-    return _run_micro_step(step, loss_fn, params, opt_state, batch)
-  _refuse_open_window(opt_state)
-  host = _host((params, opt_state, batch))
-  out = _call(step, params, opt_state, batch)
-  if not isinstance(out, tuple | list):
-    return _Window(host[0], host[2], loss_fn, _host(out), host[1], None, None)
-  metrics = next((o for o in out[1:] if isinstance(o, dict) and "grad_norm" in o), None)
-  state = out[1] if len(out) > 1 and out[1] is not metrics else None
-  return _Window(host[0], host[2], loss_fn, _host(out[0]), host[1], _host(state), metrics)
-
-
-def _run_nnx(nnx, step, loss_fn, model, optimizer, batch) -> _Window:
-  """An NNX step on a copy of the model and optimizer; the reference's loss on the trained
-  variables (``optimizer.wrt``), the rest of the model held."""
-  if not isinstance(optimizer, nnx.Optimizer):
+  is_nnx = nnx is not None and isinstance(params, nnx.Module)
+  is_train_state = train_state is not None and isinstance(params, train_state.TrainState)
+  if is_nnx and not isinstance(opt_state, nnx.Optimizer):
     raise TypeError(
       f"An NNX model's step takes (model, optimizer, batch), the optimizer an nnx.Optimizer"
-      f"(model, ga.accumulate(inner, k), wrt=nnx.Param), got {type(optimizer).__name__}: {_HOW}"
+      f"(model, ga.accumulate(inner, k), wrt=nnx.Param), got {type(opt_state).__name__}: {_HOW}"
     )
+  if is_train_state and batch is not None and opt_state is not None:
+    raise TypeError(f"A TrainState's step takes (train_state, batch): {_HOW}")
+  batch = opt_state if is_train_state and batch is None else batch
   if batch is None:
     raise TypeError(f"batch is missing: {_HOW}")
-  graphdef, params, rest = nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)
-  rest, state = nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state)
-  _refuse_open_window(state)
-  host = _host((nnx.as_pure(params), state, batch))
-  whole, parts = nnx.split((model, optimizer))  # copied: nnx.clone shares the arrays
-  model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
-  metrics = _call(step, model, optimizer, _copies(batch), copy=False)
-  new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
+  if is_nnx:  # the reference's loss on the trained variables (optimizer.wrt), the rest held
+    graphdef, trained, rest = nnx.split(params, opt_state.wrt, ..., graph=opt_state.graph)
+    rest, model_loss = nnx.as_pure(rest), loss_fn
+    host = _host_arguments(nnx.as_pure(trained), nnx.as_pure(opt_state.opt_state), batch)
+    whole, parts = nnx.split((params, opt_state))  # copied: nnx.clone shares the arrays
+    model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
+    metrics = _call(step, model, optimizer, _copies(batch), copy=False)
+    new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
+    new_state = nnx.as_pure(optimizer.opt_state)
 
-  def on_params(params, batch):
-    return loss_fn(nnx.merge(graphdef, params, rest), batch)
+    def loss_fn(params, batch):
+      return model_loss(nnx.merge(graphdef, params, rest), batch)
 
-  new_state = _host(nnx.as_pure(optimizer.opt_state))
-  return _Window(host[0], host[2], on_params, _host(new), host[1], new_state, metrics)
-
-
-def _run_micro_step(step: MicroStep, loss_fn, params, opt_state, batch) -> _Window:
-  """A ``ga.micro_step`` on the ``k`` micro-batches of ``batch`` (rows ``i, i + k, ...``)."""
-  if step.has_state:
-    raise ValueError(
-      "check_step runs a ga.micro_step as step(params, state, microbatch), and compares it with"
-      " a loss without model state; this one has has_state=True. Check the same loss with"
-      " ga.micro_step(..., has_state=False) (model state fixed, e.g. BatchNorm in eval mode)."
-    )
-  _refuse_open_window(opt_state)
-  k = step.tx.num_microbatches
-  k = k if isinstance(k, int) else max(int(k(np.asarray(opt_state.count))), 1)
-  check_batch(batch, k)
-  host = _host((params, opt_state, batch))
-  new, state, metrics = _copies((params, opt_state)) + (None,)
-  for i in range(k):
-    new, state, metrics = step(new, state, microbatch(batch, i, k))
-  return _Window(host[0], host[2], loss_fn, _host(new), host[1], _host(state), metrics)
+  elif is_train_state:
+    host = _host_arguments(params.params, params.opt_state, batch)
+    out = _call(step, params, batch)
+    new, metrics = out if isinstance(out, tuple | list) else (out, None)
+    new, new_state = new.params, new.opt_state
+  elif isinstance(step, MicroStep):  # on the k micro-batches of batch (rows i, i + k, ...)
+    if step.has_state:
+      raise ValueError(
+        "check_step runs a ga.micro_step as step(params, state, microbatch), and compares it with"
+        " a loss without model state; this one has has_state=True. Check the same loss with"
+        " ga.micro_step(..., has_state=False) (model state fixed, e.g. BatchNorm in eval mode)."
+      )
+    host = _host_arguments(params, opt_state, batch)
+    k = step.tx.num_microbatches
+    k = k if isinstance(k, int) else max(int(k(np.asarray(opt_state.count))), 1)
+    check_batch(batch, k)
+    new, new_state, metrics = _copies((params, opt_state)) + (None,)
+    for i in range(k):
+      new, new_state, metrics = step(new, new_state, microbatch(batch, i, k))
+  else:
+    host = _host_arguments(params, opt_state, batch)
+    out = _call(step, params, opt_state, batch)
+    out = out if isinstance(out, tuple | list) else (out,)
+    metrics = next((o for o in out[1:] if isinstance(o, dict) and "grad_norm" in o), None)
+    new, new_state = out[0], (out[1] if len(out) > 1 and out[1] is not metrics else None)
+  return _Window(host[0], host[2], loss_fn, _host(new), host[1], _host(new_state), metrics)
 
 
 def _call(step, *args, copy=True):
@@ -554,9 +533,8 @@ def _host(tree):
   """Host copies of the arrays (PRNG keys, which numpy cannot hold, copied on the device)."""
 
   def host(x):
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      return x.copy()
-    return np.asarray(x)
+    key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return x.copy() if key else np.asarray(x)
 
   return jax.tree.map(host, tree)
 
@@ -567,7 +545,8 @@ def _ga_state(tree) -> Any:
   return next((x for x in jax.tree.leaves(tree, is_leaf=is_ga) if is_ga(x)), None)
 
 
-def _refuse_open_window(state) -> None:
+def _host_arguments(params, state, batch) -> Any:
+  """Host copies of ``(params, state, batch)``, refusing a state inside a window."""
   ga = _ga_state(state)
   if ga is not None and int(np.asarray(ga.micro_step)) != 0:
     raise ValueError(
@@ -575,21 +554,12 @@ def _refuse_open_window(state) -> None:
       " the step would add to this batch's: check_step compares one whole window with the whole"
       " batch. Pass a state at a window's start (tx.init(params), or one a closing call returned)."
     )
+  return _host((params, state, batch))
 
 
 def _inner_of(state) -> Any:
-  """The inner optimizer's state in ``state``: a ``ga`` state's, else ``state`` itself."""
   ga = _ga_state(state)
   return state if ga is None else ga.inner_state
-
-
-def _reference_state(state, inner_tx, params) -> Any:
-  """The step's inner state where it has ``inner_tx``'s structure, else ``inner_tx.init``."""
-  like = jax.tree.structure(jax.eval_shape(inner_tx.init, params))
-  found = _inner_of(state)
-  if found is not None and jax.tree.structure(found) == like:
-    return found
-  return inner_tx.init(params)
 
 
 class _Reference(NamedTuple):
@@ -649,9 +619,8 @@ def _factor(grads, updates, double, half) -> float | None:
   if not (top > 0 and norm > 0):
     return None
   c = float(u @ g) / norm
-  tol = 1e-5 * top
   pairs = ((u, c * g), (u2 / 2, u), (uh * 2, u))
-  same = all(np.max(np.abs(a - b)) <= tol for a, b in pairs)
+  same = all(np.max(np.abs(a - b)) <= 1e-5 * top for a, b in pairs)
   return c if np.isfinite(c) and c != 0 and same else None
 
 
@@ -684,24 +653,13 @@ def _from_state(params, states, step_new) -> tuple[dict[str, float], list[str]]:
   for (name, r), (_, rf), (_, r0), (_, m) in zip(ref, flipped, zero, mine, strict=True):
     part = max(map(_error, r, r0))
     if 0 < part < np.inf:  # T(g) + T(-g) = 2 T(0) for an odd T
-      bent = [np.float64(a) + b - 2 * np.float64(c) for a, b, c in zip(r, rf, r0, strict=True)]
-      odd = max(_error(x, 0) for x in bent)
+      odd = max(map(lambda a, b, c: _error(np.float64(a) + b, 2 * np.float64(c)), r, rf, r0))
       errors = [_error(a, b) / part for a, b in zip(m, r, strict=True)]
       found.append((odd <= 1e-3 * part, name, errors))
   read = [f for f in found if f[0]] or found
   paths = [jax.tree_util.keystr(p) or "params" for p, _ in jax.tree.leaves_with_path(params)]
   errors = {p: max(f[2][i] for f in read) for i, p in enumerate(paths)} if read else {}
   return errors, [f[1] for f in read]
-
-
-def _norm_error(metrics, grads) -> float | None:
-  """``|grad_norm / |g| - 1|`` where the step reports ``metrics["grad_norm"]``, else None."""
-  if not isinstance(metrics, dict) or "grad_norm" not in metrics:
-    return None
-  reported = float(np.asarray(metrics["grad_norm"]))
-  whole = float(np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in jax.tree.leaves(grads))))
-  err = abs(reported - whole) / whole if whole > 0 else (0.0 if reported == 0 else np.inf)
-  return err if np.isfinite(err) else np.inf
 
 
 def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
@@ -723,14 +681,18 @@ def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
     top = max(float(np.max(np.abs(g), initial=0.0)) for g in jax.tree.leaves(ref.grads))
     grad_rel = {p: a / (abs(ref.factor) * top) for p, a in max_abs.items()}
     compared.append(f"the update ({ref.factor:.3g} times the gradient for inner_tx)")
-  norm = _norm_error(window.metrics, ref.grads)
-  compared += [] if norm is None else ["metrics['grad_norm']"]
+  norm = None  # |grad_norm / |g| - 1| where the step reports metrics["grad_norm"]
+  if isinstance(window.metrics, dict) and "grad_norm" in window.metrics:
+    reported = float(np.asarray(window.metrics["grad_norm"]))
+    whole = float(np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in jax.tree.leaves(ref.grads))))
+    norm = abs(reported - whole) / whole if whole > 0 else (0.0 if reported == 0 else np.inf)
+    norm = norm if np.isfinite(norm) else np.inf
+    compared.append("metrics['grad_norm']")
   errors = list(grad_rel.values()) + ([] if norm is None else [norm])
-  grads_ok = all(e <= rtol for e in errors)
   what = " and ".join(compared) or "nothing: inner_tx keeps no moment of it and is not linear in it"
   if not scale > 0 and not grad_rel:
     reason = _ZERO_UPDATE.format(what)
-  elif not grads_ok:
+  elif not all(e <= rtol for e in errors):
     reason = _GRADIENT_DIFFERS
   elif not all(within.values()):
     reason = _UPDATE_DIFFERS.format(", while its gradient is the whole batch's" if grad_rel else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -18,7 +19,8 @@ KINDS = (
   "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "ragged-all-to-all",
   "collective-permute", "collective-broadcast",
 )  # fmt: skip
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+# A computation: its header line, ending in "{", then its lines up to one starting with "}".
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s[^\n]*\{ *\n(.*?)^\}", re.M | re.S)
 _CALLED = re.compile(
   r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
   r"|(?:branch_computations|called_computations)=\{([^}]*)\}"
@@ -32,17 +34,7 @@ _ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
   """``{computation name: its instruction lines}`` of an HLO module's text."""
-  comps: dict[str, list[str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and line.rstrip().endswith("{"):
-      current = comps.setdefault(header.group(1), [])
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      current.append(line)
-  return comps
+  return {m[1]: m[2].splitlines() for m in _COMPUTATION.finditer(hlo_text)}
 
 
 def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
@@ -91,19 +83,6 @@ class Loop(NamedTuple):
   nested: bool  # inside another loop
 
 
-def _budget(value: Any, name: str) -> dict[str, int] | None:
-  """A budget (None, an int for every kind, or ``{kind: max}``) as ``{kind: max}``."""
-  if value is None:
-    return None
-  budget = dict(value) if isinstance(value, Mapping) else dict.fromkeys(KINDS, value)
-  for kind, n in budget.items():
-    if kind not in KINDS:
-      raise ValueError(f"{name} names an unknown collective {kind!r}; the kinds are {KINDS}.")
-    if check_int(n, f"{name} must give an int count for {kind!r}, got {n!r}.") < 0:
-      raise ValueError(f"{name} must give a count >= 0 for {kind!r}, got {n!r}.")
-  return {kind: int(n) for kind, n in budget.items()}
-
-
 @dataclasses.dataclass(frozen=True)
 class StepReport:
   """What a compiled step communicates and holds: the result of :func:`inspect_step`.
@@ -136,8 +115,26 @@ class StepReport:
 
   @classmethod
   def from_compiled(cls, compiled: Any) -> StepReport:
-    """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``)."""
-    return cls(*_read(compiled))
+    """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``): the collectives,
+    loops and gradient scopes of its HLO text, and its memory analysis."""
+    text = compiled.as_text()
+    comps = _computations(text)
+    loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
+    found, whiles = [], []
+    for comp, lines in comps.items():
+      for line in lines:
+        if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
+          where = (comp in loops, comp in branches, line.strip())
+          found.append(Collective(m[3], m[1], comp, *_shapes_and_bytes(m[2]), *where))
+        elif m := _WHILE.match(line):
+          trips = _TRIPS.search(line)
+          whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
+    mem = compiled.memory_analysis()
+    parts = ("temp", "argument", "output", "alias")
+    sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
+    in_place = IN_PLACE_SCOPE in text
+    why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
+    return cls(tuple(found), tuple(whiles), *sizes, in_place, why)
 
   def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -180,11 +177,18 @@ class StepReport:
       return f"%{c.name} in %{c.computation} ({c.bytes} bytes) [{', '.join(dtypes)}]"
 
     problems, advice = [], {}
-    budgets = (("in a loop", True, max_in_loop), ("outside loops", False, max_after_loop))
-    for where, in_loop, value in budgets:
-      budget = _budget(value, "max_in_loop" if in_loop else "max_after_loop")
-      for kind, count in (self.in_loop if in_loop else self.after_loop).items():
-        if budget is not None and count > budget.get(kind, count):
+    for in_loop, value in ((True, max_in_loop), (False, max_after_loop)):
+      name, where = ("max_in_loop", "in a loop") if in_loop else ("max_after_loop", "outside loops")
+      if value is None:
+        continue
+      budget = dict(value) if isinstance(value, Mapping) else dict.fromkeys(KINDS, value)
+      for kind, n in budget.items():
+        if kind not in KINDS:
+          raise ValueError(f"{name} names an unknown collective {kind!r}; the kinds are {KINDS}.")
+        if check_int(n, f"{name} must give an int count for {kind!r}, got {n!r}.") < 0:
+          raise ValueError(f"{name} must give a count >= 0 for {kind!r}, got {n!r}.")
+      for kind, count in self._sum(in_loop, False).items():
+        if count > budget.get(kind, count):
           ops = [c for c in self.collectives if c.kind == kind and c.in_loop == in_loop]
           listing = ", ".join(map(described, ops))
           problems.append(f"{count} {kind} {where} (allowed {budget[kind]}): {listing}")
@@ -227,29 +231,6 @@ class StepReport:
     return "\n".join([head, row("collective", "in loop", "bytes", "after loop", "bytes"), *rows])
 
 
-def _read(compiled: Any) -> tuple:
-  """A :class:`StepReport`'s fields from a compiled program: its HLO text (the collectives, the
-  loops, the scopes that say where the gradients go) and its memory analysis."""
-  text = compiled.as_text()
-  comps = _computations(text)
-  loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
-  found, whiles = [], []
-  for comp, lines in comps.items():
-    for line in lines:
-      if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
-        where = (comp in loops, comp in branches)
-        found.append(Collective(m[3], m[1], comp, *_shapes_and_bytes(m[2]), *where, line.strip()))
-      elif m := _WHILE.match(line):
-        trips = _TRIPS.search(line)
-        whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
-  mem = compiled.memory_analysis()
-  parts = ("temp", "argument", "output", "alias")
-  sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
-  in_place = IN_PLACE_SCOPE in text
-  why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
-  return (tuple(found), tuple(whiles), *sizes, in_place, why)
-
-
 def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepReport:
   """Compiles ``step`` on the given arguments, runs nothing, and reports its collectives and memory.
 
@@ -280,11 +261,8 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
   try:
     compiled = lower(*args, **kwargs).compile()
   except Exception as e:
-    raised_in = e.__traceback__
-    while raised_in is not None and raised_in.tb_next is not None:
-      raised_in = raised_in.tb_next
-    module = "" if raised_in is None else raised_in.tb_frame.f_globals.get("__name__", "")
-    if module.startswith("gradaccum_jax."):
+    frame, _ = list(traceback.walk_tb(e.__traceback__))[-1]
+    if frame.f_globals.get("__name__", "").startswith("gradaccum_jax."):
       raise  # raised by the package's own checks: it names the value and what to change
     raise ValueError(
       f"inspect_step could not lower and compile step={step!r} on the given arguments"
