@@ -15,7 +15,7 @@ from gradaccum_jax._memory import compiled_bytes, device_memory_budget, memory_a
 from gradaccum_jax._train_step import train_step
 
 
-def _memory_analysis(loss_fn, params, batch, k, tx, *, accum_dtype, step_kwargs):
+def _memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, **step_kwargs):
   """XLA's memory analysis of the fused step for ``k``, compiled on shapes (nothing runs)."""
   if isinstance(tx, Accumulate):
     raise TypeError(
@@ -73,9 +73,7 @@ def step_memory(
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   check_batch(batch, k)
   kwargs = dict(has_aux=has_aux, weight_fn=weight_fn, compute_dtype=compute_dtype, donate=donate)
-  return compiled_bytes(
-    _memory_analysis(loss_fn, params, batch, k, tx, accum_dtype=accum_dtype, step_kwargs=kwargs)
-  )
+  return compiled_bytes(_memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, **kwargs))
 
 
 def auto_microbatch(
@@ -121,18 +119,16 @@ def auto_microbatch(
     >>> ga.auto_microbatch(loss_fn, jnp.zeros(3), batch, memory_budget_bytes=2**30)
     1
   """
-  needs = "auto_microbatch compares the compiled step's memory with a budget"
   budget = memory_budget_bytes
   if budget is None:
+    needs = "auto_microbatch compares the compiled step's memory with a budget"
     budget = device_memory_budget(jax.devices()[0], needs)
   check_budget(budget, "auto_microbatch")
   batch_size = check_batch(batch, 1)
   kwargs = dict(has_aux=has_aux, weight_fn=weight_fn, compute_dtype=compute_dtype, donate=donate)
   estimates: dict[int, int] = {}
   for k in (d for d in range(1, batch_size + 1) if batch_size % d == 0):
-    analysis = _memory_analysis(
-      loss_fn, params, batch, k, tx, accum_dtype=accum_dtype, step_kwargs=kwargs
-    )
+    analysis = _memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, **kwargs)
     estimates[k] = compiled_bytes(analysis)
     if estimates[k] <= budget:
       return (k, estimates) if return_estimates else k

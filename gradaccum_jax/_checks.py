@@ -17,8 +17,7 @@ NumMicrobatches = int | Callable[[jax.Array], Any]
 
 
 def check_real(value: Any, must: str) -> float:
-  """``value`` as a float, or a TypeError ``"{must}, got {value!r}."``: a real number, not a
-  bool (``must`` names it and says what it must be, e.g. ``"rtol must be a positive float"``)."""
+  """``value`` as a float; a TypeError ``"{must}, got {value!r}."`` unless real (not a bool)."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{must}, got {value!r}.")
   return float(value)
@@ -39,8 +38,7 @@ def check_bool(value: Any, name: str) -> bool:
 
 
 def check_positive_int(value: Any, must: str) -> int:
-  """``value`` as an int, or ``"{must}"``: a TypeError for a non-integer (or a bool), a
-  ValueError for one below 1."""
+  """``value`` as an int; ``"{must}"`` as a TypeError (not an int) or ValueError (below 1)."""
   n = check_int(value, must)
   if n <= 0:
     raise ValueError(must)
@@ -48,8 +46,7 @@ def check_positive_int(value: Any, must: str) -> int:
 
 
 def check_choice(value: Any, name: str, choices: Any, where: str | None = None) -> None:
-  """A ValueError naming ``name`` (and ``where``, the function called) unless ``value`` is one
-  of ``choices``."""
+  """A ValueError naming ``name`` (and ``where``, if given) unless ``value`` is in ``choices``."""
   if value not in choices:
     prefix = "" if where is None else f"{where}: "
     listing = ", ".join(map(repr, choices))
@@ -57,8 +54,7 @@ def check_choice(value: Any, name: str, choices: Any, where: str | None = None) 
 
 
 def check_decay(value: Any, name: str, example: str) -> float:
-  """``value`` as a float in ``[0, 1)``: a TypeError if it is not a real number, a ValueError
-  if it is out of range; ``example`` follows "e.g." in both."""
+  """``value`` as a float in ``[0, 1)``; ``example`` follows "e.g." in the errors."""
   value = check_real(value, f"{name} must be a float decay in [0, 1) (e.g. {example}) or None")
   if not 0.0 <= value < 1.0:
     raise ValueError(f"{name} must be a decay in [0, 1) (e.g. {example}), got {value!r}.")
@@ -108,8 +104,7 @@ def is_running_mean(acc: Any) -> bool:
 def check_num_microbatches(
   num_microbatches: Any, *, allow_schedule: bool, where: str = "A fused step"
 ) -> NumMicrobatches:
-  """Validates ``num_microbatches``: a positive int (or, if allowed, a schedule; if not, the
-  TypeError names ``where``)."""
+  """A positive int, or a schedule if allowed (if not, the TypeError names ``where``)."""
   if callable(num_microbatches) and not isinstance(num_microbatches, type):
     if allow_schedule:
       return num_microbatches
@@ -118,16 +113,14 @@ def check_num_microbatches(
       f" {num_microbatches=}. Pass an int to ga.accumulate, drive a schedule with tx.update"
       " (streaming mode), or use ga.ramp_train_step."
     )
-  must = f"{num_microbatches=} must be a positive int (micro-batches per optimizer step)."
-  k = check_int(num_microbatches, must)
-  if k <= 0:
-    raise ValueError(f"{num_microbatches=} must be a positive int, got {k}.")
-  return k
+  return check_positive_int(
+    num_microbatches,
+    f"{num_microbatches=} must be a positive int (micro-batches per optimizer step).",
+  )
 
 
 def check_migrated(unexpected: dict[str, Any]) -> None:
-  """TypeErrors for ``accumulate``'s arguments that are not its own, which say what to pass:
-  ``every_k_schedule`` (``optax.MultiSteps``' name) is ``num_microbatches``."""
+  """A TypeError for an argument ``accumulate`` does not take (``every_k_schedule``: the fix)."""
   if "every_k_schedule" in unexpected:
     raise TypeError(
       f"every_k_schedule={unexpected['every_k_schedule']!r} is optax.MultiSteps' argument;"
@@ -231,9 +224,8 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
 
 
 def check_trainable(params: Any, what: str = "params", where: str | None = None) -> None:
-  """TypeError naming the first integer or bool leaf: gradients need float or complex leaves;
-  with ``where`` (the function the user called), for an NNX module with other variables than
-  ``nnx.Param`` too (they would be differentiated and updated)."""
+  """A TypeError naming the first integer or bool leaf; with ``where`` (the function called),
+  also for an NNX module with variables other than ``nnx.Param``."""
   nnx = sys.modules.get("flax.nnx")  # imported by the user if params can be a module
   if where is not None and nnx is not None and isinstance(params, nnx.Module):
     others = nnx.state(params, nnx.Not(nnx.Param))

@@ -86,11 +86,9 @@ def scale_learning_rate(
   return lambda count: ramp(count) * schedule(count)
 
 
-_ADAM_RULES = ("sqrt", "half_life")
-
-
-def _sqrt_rule_beta(name: str, beta: float, kappa: float, base: int, batch: int) -> float:
+def _sqrt_rule_beta(name: str, beta: float, base: int, batch: int) -> float:
   """``1 - kappa * (1 - beta)``, or a ValueError naming ``name`` when it falls below 0."""
+  kappa = batch / base
   new = 1.0 - kappa * (1.0 - beta)
   if abs(new) < 1e-12:  # rounding: 1 - 10 * (1 - 0.9) is 2.2e-16, not 0
     return 0.0
@@ -159,7 +157,7 @@ def scale_adam_hyperparams(
     https://arxiv.org/abs/2507.07101.
   """
   kappa = _kappa(base_batch_size, batch_size)
-  check_choice(rule, "rule", _ADAM_RULES, "scale_adam_hyperparams")
+  check_choice(rule, "rule", ("sqrt", "half_life"), "scale_adam_hyperparams")
   if not eps >= 0:
     raise ValueError(f"eps={eps!r} must be >= 0.")
   for name, beta in (("b1", b1), ("b2", b2)):
@@ -170,7 +168,5 @@ def scale_adam_hyperparams(
   if rule == "half_life":
     return b1, b2**kappa, eps
   base, batch = operator.index(base_batch_size), operator.index(batch_size)
-  scaled = [
-    _sqrt_rule_beta(name, beta, kappa, base, batch) for name, beta in (("b1", b1), ("b2", b2))
-  ]
-  return scaled[0], scaled[1], eps / math.sqrt(kappa)
+  b1, b2 = _sqrt_rule_beta("b1", b1, base, batch), _sqrt_rule_beta("b2", b2, base, batch)
+  return b1, b2, eps / math.sqrt(kappa)

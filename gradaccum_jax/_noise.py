@@ -120,8 +120,7 @@ def estimates(
   n1 = jnp.where(valid, ns.num - 1.0, 1.0)
   g2 = (ns.num * gbar2 - mean_sq) / n1
   trace = ns.examples * (mean_sq - gbar2) / n1
-  nan = jnp.float32(jnp.nan)
-  return jnp.where(valid, g2, nan), jnp.where(valid, trace, nan)
+  return jnp.where(valid, g2, jnp.nan), jnp.where(valid, trace, jnp.nan)
 
 
 def after_window(

@@ -10,12 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._checks import (
-  check_aux_reduce,
-  check_bool,
-  check_float_dtype,
-  check_function,
-)
+from gradaccum_jax._checks import check_aux_reduce, check_bool, check_float_dtype, check_function
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
@@ -83,7 +78,7 @@ class LossSpec:
     if not (isinstance(out, tuple | list) and len(out) == 2):
       raise TypeError(f"With has_state=True, loss_fn must return a pair {shape}, got {out!r:.80}.")
     loss, rest = out
-    aux, new_state = split_output(rest, True, "loss_fn") if self.has_aux else (None, rest)
+    aux, new_state = split_output(rest, True) if self.has_aux else (None, rest)
     check_state_like(new_state, model_state)
     return check_loss(loss, self.has_aux), aux, new_state
 
