@@ -10,7 +10,9 @@ so a wrong scale or weight shows in the params one to one (Adam would hide it).
 A second matrix crosses compute dtype (float32, bfloat16, float16 with ``ga.DynamicLossScale``)
 x weighting (even, uneven tokens with an empty micro-batch, the same weights times 1,000, as
 70,000-token micro-batches weigh) x ``grads_in_place``, against the whole batch computed in the
-same compute dtype (:func:`precision_cells`). A path added later joins both matrices."""
+same compute dtype (:func:`precision_cells`). A third crosses a loss of several terms, each
+normalized over the window by its own weights, with the fused entry points, accumulator dtypes,
+meshes and weightings (:func:`term_cells`). A path added later joins the matrices."""
 
 import dataclasses
 import functools
@@ -62,6 +64,7 @@ class Cell:
   compute: str | None = None  # the compute dtype's cells: "float32", "bfloat16", "float16"
   big: bool = False  # the weights times BIG
   in_place: bool = True  # grads_in_place
+  terms: bool = False  # the loss as two terms of one weight (a quarter and three quarters)
 
   @property
   def compute_dtype(self):
@@ -88,6 +91,7 @@ class Cell:
     parts += ["state"] * self.state
     if self.compute is not None:
       parts += [self.compute, *["big"] * self.big, "in_place" if self.in_place else "carried"]
+    parts += ["terms"] * self.terms
     return "-".join(parts)
 
 
@@ -129,7 +133,27 @@ def big_tokens(mb):
 
 
 def weight_fn(cell):
-  return (big_tokens if cell.big else tokens) if cell.weighted else None
+  fn = (big_tokens if cell.big else tokens) if cell.weighted else None
+  if fn is None or not cell.terms:
+    return fn
+  return lambda mb: {"a": fn(mb), "b": fn(mb)}  # each term normalized over the window's tokens
+
+
+def loss_of(cell, fn):
+  """``fn``, or with ``cell.terms`` the same loss as two terms (a quarter and three quarters of
+  it), each normalized over the window by its own weights: the window's objective and the
+  big-batch reference are the one-term loss's, through the per-term path (each term's total
+  before the loop, over the devices; an empty micro-batch's 0 / 0 in both terms)."""
+  if not cell.terms:
+    return fn
+
+  def split(*args):
+    out = fn(*args)
+    loss, rest = out if isinstance(out, tuple) else (out, None)
+    terms = {"a": 0.25 * loss, "b": 0.75 * loss}
+    return terms if rest is None else (terms, rest)
+
+  return split
 
 
 def batches(cell):
@@ -269,7 +293,7 @@ def precision_kwargs(cell):
 
 def run_train_step(cell, params, model_state, data):
   tx = make_tx(cell)
-  loss_fn = stateful_loss if cell.state else token_loss
+  loss_fn = loss_of(cell, stateful_loss if cell.state else token_loss)
   step = ga.train_step(
     loss_fn, tx, weight_fn=weight_fn(cell), has_state=cell.state,
     donate=cell.entry == "train_step_donated", **mesh_kwargs(cell), **precision_kwargs(cell),
@@ -356,7 +380,7 @@ def run_value_and_grad(cell, params, model_state, data):
   """``ga.value_and_grad`` and the inner optimizer, a non-finite window skipped by the user."""
   mesh, specs = mesh_and_specs(cell)
   vg = ga.value_and_grad(
-    stateful_loss if cell.state else token_loss, K, weight_fn=weight_fn(cell),
+    loss_of(cell, stateful_loss if cell.state else token_loss), K, weight_fn=weight_fn(cell),
     accum_dtype=jnp.dtype(cell.dtype), has_state=cell.state, **mesh_kwargs(cell),
     **precision_kwargs(cell),
   )  # fmt: skip
@@ -443,7 +467,7 @@ def run_linen(cell, params, model_state, data):
   else:
     state = train_state.TrainState.create(apply_fn=module.apply, params=p, tx=tx)
   step = ga.linen_train_step(
-    module, token_loss_of_logits, weight_fn=weight_fn(cell), **precision_kwargs(cell),
+    module, loss_of(cell, token_loss_of_logits), weight_fn=weight_fn(cell), **precision_kwargs(cell),
     **{**mesh_kwargs(cell), **({"param_specs": linen_params(specs)} if specs else {})},
   )  # fmt: skip
   out = []
@@ -491,7 +515,7 @@ def run_nnx(cell, params, model_state, data):
   )
   optimizer = nnx.Optimizer(model, make_tx(cell), wrt=nnx.Param)
   step = ga.nnx_train_step(
-    lambda model, mb: token_loss_of_logits(model(mb["x"]), mb),
+    loss_of(cell, lambda model, mb: token_loss_of_logits(model(mb["x"]), mb)),
     weight_fn=weight_fn(cell), **mesh_kwargs(cell), **precision_kwargs(cell),
   )  # fmt: skip
   out = []
@@ -550,6 +574,26 @@ def cells():
             marks = [] if fast_cell(entry, dtype, mesh, weighted, state) else [pytest.mark.slow]
             cell = Cell(entry, dtype, mesh, weighted, state)
             out.append(pytest.param(cell, id=str(cell), marks=marks))
+  return out + term_cells()
+
+
+TERM_ENTRIES = ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx")
+
+
+def term_cells():
+  """A loss of several terms through the fused entry points (the streaming ones refuse it), in
+  float32 and bfloat16, with and without a mesh, even and weighted by tokens per term; fast:
+  float32 through ``train_step`` without a mesh."""
+  out = []
+  for entry in TERM_ENTRIES:
+    for dtype in ("float32", "bfloat16"):
+      for mesh in (None, "replicated", "fsdp"):
+        for weighted in (False, True):
+          if mesh and dtype in NARROW and not weighted:
+            continue  # a narrow accumulator on a mesh: weighted, as in cells()
+          cell = Cell(entry, dtype, mesh, weighted, False, terms=True)
+          fast = entry == "train_step" and dtype == "float32" and mesh is None
+          out.append(pytest.param(cell, id=str(cell), marks=[] if fast else [pytest.mark.slow]))
   return out
 
 
