@@ -33,18 +33,13 @@ from gradaccum_jax._parts import (
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map, to_varying
-from gradaccum_jax._terms import probe
+from gradaccum_jax._terms import Terms, names_of, per_term, split
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
 # Units beyond the built-in ones, each made by ``make(mg)`` (a MicrobatchedGrad): its part
 # follows the model state's in every window's ``parts`` (docs/architecture.md, "Adding a unit").
 UNITS: list[Callable[[Any], Any]] = []
-
-
-def shapes(tree: Any) -> Any:
-  """``tree``'s shapes and dtypes, without shardings (a probe traces the loss on them)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def refs_available() -> bool:
@@ -238,7 +233,7 @@ class MicroPass:
     key = None if rng is None else jax.random.fold_in(rng, i)
     p = params if self.per_micro is None else self.per_micro.gather(params, i)
     w = opts.weighting.of(mb)
-    if opts.term_totals is not None:  # per-term weights: the terms of weight 0 checked first
+    if opts.terms is not None:  # per-term weights: the terms of weight 0 checked first
       return self.by_term(p, start, mb, key, w)
     if self.refs is not None:  # added in place: the units see no gradient
       seed = None if self.norm is None else w / self.norm
@@ -262,7 +257,7 @@ class MicroPass:
     opts, fp8, in_place = self.opts, self.fp8, self.refs is not None
     scale = self.inputs.scale
     scale = scale if in_place or fp8 is None else fp8.seed(w, scale)  # the objective's factor
-    coef = opts.terms.coefficients(mb, opts.term_totals)
+    _, coef, _ = opts.terms.shares(mb)
 
     def f(q: Any, only: str | None = None, checked: bool = False) -> Any:
       return opts.objective(q, start, mb, key, scale, only, checked)
@@ -347,8 +342,7 @@ class MicrobatchedGrad:
     it after. ``overwrite``: the params' overwritten part (``_parts.overwritten``), if any."""
     params, dp, ov = inputs.params, self.options.parallel, overwrite
     check_trainable(params, where=self.options.where)
-    core = self.with_terms(inputs)
-    core = core if ov is None else dataclasses.replace(core, overwrite=ov)
+    core = self if ov is None else dataclasses.replace(self, overwrite=ov)
     if ov is not None:  # its zeros beside the trained params' sums
       acc_init = ov.join(params, acc_init, jax.tree.map(jnp.zeros_like, ov.split(params)[1]))
     if dp is None:
@@ -357,24 +351,20 @@ class MicrobatchedGrad:
       w = over_mesh(dp, core, inputs, acc_init, in_buffer)
     return w if ov is None else trained_window(w, ov, self.reducers)
 
-  def with_terms(self, inputs: Inputs) -> MicrobatchedGrad:
-    """This core for the loss's terms (``_terms``), read from its value on one micro-batch
-    (shapes only): itself for a loss of one term."""
-    opts = self.options
-    check_batch(inputs.batch, self.num_microbatches)
-    params, batch, rng, model_state = (shapes(x) for x in inputs[:4])
-    mb = jax.eval_shape(lambda b: microbatch(b, 0, self.num_microbatches), batch)
-    fn = opts.weighting.fn
-    try:
-      stats = None
-      if opts.window_stats is not None:
-        stats = opts.window_stats.like(params, model_state, mb, rng)
-      out = jax.eval_shape(lambda *a: opts.loss.call(*a)[0], params, model_state, mb, rng, stats)
-      weights = None if fn is None else jax.eval_shape(fn, mb)
-    except Exception:  # noqa: BLE001 - e.g. a loss with its own shard_map, which needs the
-      return self  # step's mesh: the step's own trace raises its error, or refuses a dict
-    terms = probe(out, weights, fn, opts.where)
-    return self if terms is None else dataclasses.replace(self, options=opts.with_terms(terms))
+  def terms(self, opts: Options, inputs: Inputs, take: Callable, *, num: Any, vary: tuple) -> Terms:
+    """The loss's terms (its output on micro-batch 0 of ``inputs``, shapes only) and their
+    window totals; ``take``: a micro-batch's params, rows and key (:func:`_taker`)."""
+    if opts.where == "micro_step":
+      raise TypeError(
+        "micro_step: weight_fn returns per-term weights, but a call on one micro-batch cannot"
+        " normalize each term over the window. Use ga.train_step, ga.value_and_grad or the Flax"
+        " steps, which do."
+      )
+    p, mb, key = take(0)
+    out = jax.eval_shape(lambda: opts.loss.call(p, inputs.model_state, mb, key, opts.stats)[0])
+    names = names_of(out, jax.eval_shape(opts.weighting.fn, mb), opts.where)
+    k = self.num_microbatches
+    return Terms.make(names, opts.weighting.fn, inputs.batch, k, num, vary, microbatch)
 
   def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> tuple:
     """The window's units, in the order of ``Window.parts``: :meth:`summed_units` (the sums
@@ -412,14 +402,12 @@ class MicrobatchedGrad:
     k, opts, ov = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
-    if opts.terms is not None and opts.terms.per_term and opts.term_totals is None:
-      opts = opts.for_window(opts.terms.totals(batch, k, num, vary, microbatch))
+    take = _taker(params, batch, rng, k, per_micro)
     if opts.window_stats is not None:  # a forward-only pass over the window, before its loop
-      stats = opts.window_stats.window(
-        _taker(params, batch, rng, k, per_micro), opts.weighting, model_state,
-        k=k, num=num, vary=vary,
-      )  # fmt: skip
+      stats = opts.window_stats.window(take, opts.weighting, model_state, k=k, num=num, vary=vary)
       opts = dataclasses.replace(opts, stats=stats)
+    if per_term(opts.weighting.fn, take(0)[1]):  # every term's window total, before the loop
+      opts = opts.for_window(self.terms(opts, inputs, take, num=num, vary=vary))
     fp8 = None if ov is None else Fp8.make(ov, opts.weighting, batch, k, num, vary)
     if vary:  # per-device gradients: no psum of the cotangents inside the loop
       params = to_varying(params, vary)
@@ -436,7 +424,7 @@ class MicrobatchedGrad:
     if vary:
       init = to_varying(init, vary)
     refs = norm = None
-    why = carried or self.carried_because(params, acc_init, per_micro, lambda: like.loss)
+    why = carried or self.carried_because(params, acc_init, per_micro, lambda: split(like.loss)[0])
     if why is None:  # the gradients added into Refs
       refs, norm = _in_place_refs(init[0].grads, opts.weighting, batch, k, num, vary)
       init = (init[0]._replace(grads=()), *init[1:])
@@ -454,9 +442,10 @@ class MicrobatchedGrad:
       grads = jax.tree.map(lambda r: _scaled(jax.freeze(r), norm), refs)
       c = (c[0]._replace(grads=grads), *c[1:])
     parts = tuple(unit.finalize(part, num, rows) for unit, part in zip(units, c, strict=True))
-    return Window(
-      parts, like.loss, like.aux, num, self.reducers, terms=opts.terms, stats=opts.stats
-    )
+    before = {"window_stats": opts.stats} if opts.window_stats is not None else {}
+    if opts.terms is not None:
+      before["term_weights"] = opts.terms.totals
+    return Window(parts, like.loss, like.aux, num, self.reducers, before=before or None)
 
 
 def value_and_grad(

@@ -14,7 +14,7 @@ from gradaccum_jax._checks import check_aux_reduce, check_bool, check_float_dtyp
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
-from gradaccum_jax._terms import REDUCE, Terms, refused
+from gradaccum_jax._terms import Terms, combine, refused
 from gradaccum_jax._window_stats import WindowStats
 
 
@@ -123,8 +123,7 @@ class Options:
   where: str = "train_step"  # the public function the user called, for errors
   grads_in_place: bool = True  # gradients added into the accumulator where JAX can
   aux_reduce: AuxReducers = AuxReducers()  # how each aux leaf is reduced over a window
-  terms: Terms | None = None  # a loss of several terms (_terms.probe), else None
-  term_totals: Any = None  # with per-term weights, every term's total weight W_t over the window
+  terms: Terms | None = None  # in a window of a loss with per-term weights, its terms' totals
   window_stats: WindowStats | None = None  # statistics of the window the loss reads, else None
   stats: Any = None  # their value in a window (_window_stats.WindowStats.window)
 
@@ -133,9 +132,10 @@ class Options:
     return self.loss.has_state
 
   def objective(self, params, model_state, mb, key, scale, only=None, checked=False):
-    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated (``only``:
-    of one term of a loss of several; ``checked``: the rest also says whether every term of
-    weight 0 is finite, ``_terms.Terms.combine``)."""
+    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated. A loss of
+    several terms (``_terms``) as the sums take it: ``{"loss": ..., "loss_terms": ...}``;
+    ``only``: one term's alone; ``checked``: the rest also says whether every term of weight 0
+    is finite."""
     dtype = self.compute_dtype
     if dtype is not None:  # mixed precision: float params cast, others unchanged
       params = jax.tree.map(
@@ -143,31 +143,19 @@ class Options:
       )
     loss, aux, new_state = self.loss.call(params, model_state, mb, key, self.stats)
     clean = jnp.ones((), bool)
-    if self.terms is not None:
-      loss, aux, clean = self.terms.combine(loss, aux, mb, self.term_totals, only)
-    elif isinstance(loss, dict):
-      raise TypeError(refused(self.where, list(loss)))
-    scaled = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+    if isinstance(loss, dict):
+      if self.where == "micro_step":
+        raise TypeError(refused(self.where, list(loss)))
+      loss, clean = combine(loss) if self.terms is None else self.terms.combine(loss, mb, only)
+    value = loss["loss"] if isinstance(loss, dict) else loss
+    scaled = value.astype(jnp.promote_types(value.dtype, jnp.float32))
     rest = (loss, aux, new_state, clean) if checked else (loss, aux, new_state)
     return (scaled if scale is None else scaled * scale), rest
 
-  def with_terms(self, terms: Terms | None) -> Options:
-    """These options for a loss of ``terms`` (None: of one term): the terms' window values ride
-    the aux (:data:`_terms.REDUCE`)."""
-    if terms is None:
-      return self
-    spec = {n: r for n, r in REDUCE.items() if terms.per_term or n == "loss_terms"}
-    reducers = AuxReducers((self.aux_reduce.spec, spec), self.where)
-    return dataclasses.replace(self, terms=terms, aux_reduce=reducers)
-
-  def for_window(self, totals: dict) -> Options:
-    """These options in a window whose terms total ``totals``: each micro-batch weighs ``u_i``."""
-    weighting = Weighting(self.terms.weighting(totals))
-    return dataclasses.replace(self, term_totals=totals, weighting=weighting)
-
-  def split_aux(self, aux: Any) -> tuple[Any, dict[str, Any]]:
-    """``(the user's aux, the terms' window values)`` of a window's reduced aux."""
-    return (aux, {}) if self.terms is None else aux
+  def for_window(self, terms: Terms) -> Options:
+    """These options in a window of a loss with per-term weights: each micro-batch weighs
+    ``u_i`` (``terms``: their window totals, ``_terms.Terms.make``)."""
+    return dataclasses.replace(self, terms=terms, weighting=Weighting(terms.weight))
 
   def with_gather(self, gather: str) -> Options:
     """These options with the params gathered ``gather`` ("once" or "per_microbatch")."""

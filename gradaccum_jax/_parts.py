@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import check_weight, is_inexact, is_running_mean
+from gradaccum_jax._terms import split as split_terms
 
 
 class Micro(NamedTuple):
@@ -77,14 +78,14 @@ class Sums(NamedTuple):
 
   grads: Any  # sum_i w_i g_i (times the loss scale), in the accumulator's dtypes
   weight: jax.Array  # sum_i w_i over the micro-batches of positive weight (float32)
-  loss: jax.Array  # sum_i w_i L_i, in the loss's precision (at least float32)
+  loss: Any  # sum_i w_i L_i, in the loss's precision (at least float32); a tree for terms
   aux: Any  # inexact leaves: sum_i w_i aux_i; integer and bool leaves: sum_i aux_i
 
   def merged(self, more: Sums, reducers: AuxReducers) -> Sums:
     """These sums and ``more`` (of later micro-batches) as one window's, by the one rule."""
     grads = merge_gradients(self.grads, self.weight, more.grads, more.weight)
     # Promoted: a float64 loss widens a float32 sum that a state was made with.
-    loss = self.loss + more.loss
+    loss = jax.tree.map(jnp.add, self.loss, more.loss)
     aux = reducers.merged(self.aux, more.aux, more.weight)
     return Sums(grads, self.weight + more.weight, loss, aux)
 
@@ -157,7 +158,7 @@ def window_means(
 ) -> tuple[jax.Array, Any]:
   """The window's weighted mean loss and its aux as ``reducers`` say (by default integer leaves
   summed), in the dtypes ``loss_fn`` returned (``*_like``: one micro-batch's)."""
-  loss = safe_mean(sums.loss, sums.weight).astype(loss_like.dtype)
+  loss = jax.tree.map(lambda s, x: safe_mean(s, sums.weight).astype(x.dtype), sums.loss, loss_like)
   return loss, (reducers or AuxReducers()).final(sums.aux, sums.weight, aux_like)
 
 
@@ -619,8 +620,7 @@ class Window(NamedTuple):
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
   reducers: AuxReducers = AuxReducers()
   overwrite: Any = None  # an overwritten part's new value (Overwritten; fp8), else None
-  terms: Any = None  # the loss's _terms.Terms (their values ride the aux), else None
-  stats: Any = None  # the window statistics the loss read (window_stats=), else None
+  before: Any = None  # what the window computed before its loop, as metrics (a dict), or None
 
   sums = property(lambda self: self.parts[0])  # Sums
   noise = property(lambda self: self.parts[1])  # _noise.NoiseSums, or () without the noise scale
@@ -628,9 +628,10 @@ class Window(NamedTuple):
 
   def means(self) -> tuple[jax.Array, Any, dict[str, Any]]:
     """The weighted mean loss, the reduced aux (:func:`window_means`) and the window values of
-    a loss's terms (``{}`` for one term)."""
+    a loss's terms (``{}`` for one term: ``_terms.split``)."""
     loss, aux = window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
-    return (loss, aux, {}) if self.terms is None else (loss, *aux)
+    loss, terms = split_terms(loss)
+    return loss, aux, terms
 
 
 class Unit:
@@ -670,7 +671,7 @@ class SumsUnit(Unit):
   dtypes: Any = None
 
   def init(self, acc_init: Any, like: Micro) -> Sums:
-    loss = jnp.zeros(jnp.shape(like.loss), sum_dtype(like.loss))
+    loss = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), sum_dtype(x)), like.loss)
     return Sums(acc_init, jnp.zeros((), jnp.float32), loss, self.reducers.init(like.aux))
 
   def update(self, s: Sums, m: Micro) -> Sums:

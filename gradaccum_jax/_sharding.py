@@ -524,7 +524,7 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
   )
   # The sums' gradients as the params are laid out; every other part is replicated (reduced).
   out_specs = ((Sums(treedef.unflatten([p.manual for p in plans]), P(), P(), P()), P(), P()), P())
-  (sums, rest, stats), like = shard_map_over_data(per_device, dp, in_specs, out_specs)(
+  (sums, rest, before), like = shard_map_over_data(per_device, dp, in_specs, out_specs)(
     inputs, seeds
   )
   grads = treedef.unflatten([
@@ -533,13 +533,13 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
   parts = (sums._replace(grads=grads), *rest)
-  return Window(parts, *like.value[0], num, core.reducers, terms=core.options.terms, stats=stats)
+  return Window(parts, *like.value[0], num, core.reducers, before=before)
 
 
 @dataclasses.dataclass(frozen=True)
 class _OverMesh:
   """:func:`over_mesh`'s body on one device: its rows' scan, then the reduction over devices;
-  returns ``(the sums, the other parts, the window statistics)`` and one micro-batch's loss and aux shapes (a
+  returns ``(the sums, the other parts, what the window computed before its loop)`` and one micro-batch's loss and aux shapes (a
   ``_parts.Static``)."""
 
   dp: DataParallel
@@ -569,7 +569,7 @@ class _OverMesh:
     w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook, units=units)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
     sums, *others = (unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
-    return (sums, tuple(others), w.stats), Static.shapes((w.loss_like, w.aux_like))
+    return (sums, tuple(others), w.before), Static.shapes((w.loss_like, w.aux_like))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:

@@ -5,17 +5,17 @@ several terms").
 ``i``; ``weight_fn`` may return ``{term: w_it}`` (a term it does not name weighs 1 per
 micro-batch). The window's objective is ``sum_t S_t / W_t``, ``S_t = sum_i w_it L_it`` and
 ``W_t = sum_i w_it``. A scalar or no ``weight_fn`` weighs every term alike: the objective is the
-weighted mean of ``sum_t L_it``, as for a loss of one term.
+weighted mean of ``sum_t L_it`` (:func:`combine`), as for a loss of one term.
 
-Per-term weights need every ``W_t`` before the first backward pass. The fused step computes them
-first (:func:`term_totals`, ``weight_fn`` alone, summed over the devices); ``micro_step`` takes
-them as ``window_weights=``. Micro-batch ``i`` then weighs ``u_i``, the mean over the terms of
-positive total of ``w_it / W_t``, and its loss is ``o_i / u_i`` with
-``o_i = sum_t w_it / W_t L_it``. The weighted sums hold ``sum_i grad o_i`` over a total weight
-of ``sum_i u_i = 1``, which every stage after the backward pass (meshes, in place, narrow
-accumulators, closing a window) takes as any weighted window. Each term's window value rides
-the aux, reduced by its weighted mean (``"loss_terms"``), and each ``W_t`` by its sum
-(``"term_weights"``).
+Per-term weights need every ``W_t`` before the first backward pass: the fused step computes them
+first (:meth:`Terms.make`: ``weight_fn`` alone on each micro-batch, summed over the devices).
+Micro-batch ``i`` then weighs ``u_i``, the mean over the terms of positive total of
+``w_it / W_t``, and its loss is ``o_i / u_i`` with ``o_i = sum_t w_it / W_t L_it``: the weighted
+sums hold ``sum_i grad o_i`` over a total weight of ``sum_i u_i = 1``, which every stage after
+the backward pass (meshes, in place, narrow accumulators, closing a window) takes as any
+weighted window. The terms' window values ride the loss's sums: a micro-batch's loss is then
+``{"loss": ..., "loss_terms": {...}}``, each leaf summed with the micro-batch's weight, so their
+weighted means are each term's window value; the totals ``W_t`` are the window's as computed.
 """
 
 from __future__ import annotations
@@ -29,80 +29,62 @@ import jax.numpy as jnp
 
 from gradaccum_jax._checks import check_weight
 
-# How the terms' window values ride the aux (a prefix of ``aux_reduce``'s spec beside the user's).
-REDUCE = {"loss_terms": "mean", "term_weights": "sum"}
+
+def combine(loss: dict) -> tuple[jax.Array, jax.Array]:
+  """``({"loss": sum_t L_it, "loss_terms": loss}, True)``: the terms of one weight, summed."""
+  total = sum(loss.values()).astype(jnp.promote_types(_dtype(loss), jnp.float32))
+  return {"loss": total, "loss_terms": loss}, jnp.ones((), bool)
 
 
 @dataclasses.dataclass(frozen=True)
 class Terms:
-  """A loss's terms, read from its output on one micro-batch (:func:`probe`)."""
+  """A loss's terms with per-term weights, and (:meth:`make`) their window totals."""
 
   names: tuple[str, ...]  # the keys of loss_fn's dict
-  weight_fn: Callable[[Any], Any] | None  # returns {term: weight}, or None: no per-term weights
-  where: str = "train_step"
+  weight_fn: Callable[[Any], Any]  # microbatch -> {term: weight} for some of the names
+  totals: Any = None  # {term: W_t} over the window and the devices
 
-  @property
-  def per_term(self) -> bool:
-    return self.weight_fn is not None
+  @classmethod
+  def make(cls, names, weight_fn, batch, k: int, num: Any, vary: tuple, split) -> Terms:
+    """The terms and every ``W_t`` over the window's first ``num`` micro-batches (and the
+    devices ``vary``), from ``weight_fn`` alone, before the loop (``split``: the micro-batch
+    split)."""
+    terms, i = cls(names, weight_fn), jnp.arange(k)
+    ws = jax.vmap(lambda j: terms.weights(split(batch, j, k)))(i)
+    out = {t: jnp.sum(jnp.where((i < num) & (w > 0), w, 0.0)) for t, w in ws.items()}
+    return dataclasses.replace(terms, totals=jax.lax.psum(out, vary) if vary else out)
 
   def weights(self, mb: Any) -> dict[str, jax.Array]:
     """``{term: w_it}`` of micro-batch ``mb``: ``weight_fn``'s, 1 for a term it does not name."""
-    given = self.weight_fn(mb)
-    one = jnp.ones((), jnp.float32)
+    given, one = self.weight_fn(mb), jnp.ones((), jnp.float32)
     return {
       t: check_weight(given[t], f"weight_fn(microbatch)[{t!r}]") if t in given else one
       for t in self.names
     }
 
-  def shares(self, w: dict, totals: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``(u_i, {term: w_it / W_t / u_i})``: the micro-batch's weight and each term's coefficient
-    in its loss; a term of weight <= 0 (or a window total of 0) gets 0."""
-    fracs = {t: _ratio(w[t], totals[t]) for t in self.names}
-    live = sum(jnp.where(totals[t] > 0, 1.0, 0.0) for t in self.names)
-    u = _ratio(sum(fracs.values()), live)
-    return u, {t: _ratio(f, u) for t, f in fracs.items()}
-
-  def combine(self, loss: dict, aux: Any, mb: Any, totals: dict | None, only: str | None = None
-              ) -> tuple[jax.Array, Any, jax.Array]:  # fmt: skip
-    """``(the micro-batch's loss as the sums take it, (aux, the terms' values), whether every term
-    of weight 0 is finite)``: ``o_i / u_i`` with per-term weights (a term of weight 0 adds
-    nothing, even NaN), else ``sum_t L_it``; ``only``: of that term alone (its gradient then
-    reads no other term)."""
-    if not self.per_term:
-      return sum(loss.values()), (aux, {"loss_terms": loss}), jnp.ones((), bool)
+  def shares(self, mb: Any) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
+    """``(u_i, {term: w_it / W_t / u_i}, the weights)``: the micro-batch's weight and each
+    term's coefficient in its loss; a term of weight <= 0 (or a window total of 0) gets 0."""
     w = self.weights(mb)
-    _, coef = self.shares(w, totals)
+    fracs = {t: _ratio(w[t], self.totals[t]) for t in self.names}
+    live = sum(jnp.where(self.totals[t] > 0, 1.0, 0.0) for t in self.names)
+    u = _ratio(sum(fracs.values()), live)
+    return u, {t: _ratio(f, u) for t, f in fracs.items()}, w
+
+  def weight(self, mb: Any) -> jax.Array:
+    """``u_i``: micro-batch ``mb``'s weight in the window (a ``weight_fn`` for the sums)."""
+    return self.shares(mb)[0]
+
+  def combine(self, loss: dict, mb: Any, only: str | None = None) -> tuple[Any, jax.Array]:
+    """``(the micro-batch's loss as the sums take it, whether every term of weight 0 is
+    finite)``: ``o_i / u_i`` beside the terms' values (a term of weight 0 adds nothing, even
+    NaN); ``only``: of that term alone (its gradient then reads no other term)."""
+    _, coef, w = self.shares(mb)
     parts = {t: jnp.where(coef[t] > 0, coef[t] * loss[t].astype(jnp.float32), 0.0) for t in loss}
     wide = jnp.promote_types(_dtype(loss), jnp.float32)
     total = (parts[only] if only else sum(parts.values())).astype(wide)
     clean = jnp.all(jnp.stack([jnp.isfinite(loss[t]) | (coef[t] > 0) for t in loss]))
-    return total, (aux, {"loss_terms": parts, "term_weights": w}), clean
-
-  def coefficients(self, mb: Any, totals: dict) -> dict[str, jax.Array]:
-    """Each term's coefficient in micro-batch ``mb``'s loss (:meth:`shares`)."""
-    return self.shares(self.weights(mb), totals)[1]
-
-  def weighting(self, totals: dict) -> Callable[[Any], jax.Array]:
-    """``microbatch -> u_i``: the weight function of a window of term totals ``totals``."""
-    return lambda mb: self.shares(self.weights(mb), totals)[0]
-
-  def totals(self, batch: Any, k: int, num: Any, vary: tuple, microbatch: Callable) -> dict:
-    """Every ``W_t`` over the window's first ``num`` micro-batches (and the devices ``vary``),
-    from ``weight_fn`` alone, before the loop."""
-    i = jnp.arange(k)
-    ws = jax.vmap(lambda j: self.weights(microbatch(batch, j, k)))(i)
-    out = {t: jnp.sum(jnp.where((i < num) & (w > 0), w, 0.0)) for t, w in ws.items()}
-    return jax.lax.psum(out, vary) if vary else out
-
-  def check_totals(self, totals: Any) -> dict[str, jax.Array]:
-    """``window_weights=`` of a streaming call: ``{term: W_t}`` for every term."""
-    if not isinstance(totals, Mapping) or set(totals) != set(self.names):
-      got = list(totals) if isinstance(totals, Mapping) else type(totals).__name__
-      raise ValueError(
-        f"{self.where}: window_weights must be a dict of every term's total weight over the"
-        f" window, keys {list(self.names)}; got {got}."
-      )
-    return {t: check_weight(totals[t], f"window_weights[{t!r}]") for t in self.names}
+    return {"loss": total, "loss_terms": parts}, clean
 
 
 def _ratio(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -115,43 +97,40 @@ def _dtype(loss: dict) -> Any:
   return jnp.result_type(*loss.values())
 
 
-def probe(loss_out: Any, weights_out: Any, weight_fn: Any, where: str) -> Terms | None:
-  """The :class:`Terms` of a loss whose value on one micro-batch is ``loss_out`` (abstract) and
-  whose ``weight_fn`` returns ``weights_out``; None for a loss of one term (a ValueError for
-  per-term weights it does not fit)."""
+def per_term(weight_fn: Any, mb: Any) -> bool:
+  """Whether ``weight_fn`` returns per-term weights (a dict) on micro-batch ``mb`` (shapes)."""
+  return weight_fn is not None and isinstance(jax.eval_shape(weight_fn, mb), Mapping)
+
+
+def names_of(loss_out: Any, weights_out: Mapping, where: str) -> tuple[str, ...]:
+  """The terms of a loss whose value on one micro-batch is ``loss_out`` (abstract), for the
+  per-term weights ``weights_out``: a ValueError for weights the terms do not fit."""
   if not isinstance(loss_out, Mapping):
-    if isinstance(weights_out, Mapping):
-      raise ValueError(
-        f"{where}: weight_fn returns a dict of per-term weights {list(weights_out)}, but loss_fn"
-        " returns one scalar. Return a dict {term: mean loss} with those keys, or one weight."
-      )
-    return None
-  names = tuple(loss_out)
-  if not isinstance(weights_out, Mapping):
-    return Terms(names, None, where)
+    raise ValueError(
+      f"{where}: weight_fn returns a dict of per-term weights {list(weights_out)}, but loss_fn"
+      " returns one scalar. Return a dict {term: mean loss} with those keys, or one weight."
+    )
   unknown = [t for t in weights_out if t not in loss_out]
   if unknown:
     raise ValueError(
       f"{where}: weight_fn names the term {unknown[0]!r}, which loss_fn does not return; its"
-      f" terms are {list(names)}. Name terms of the loss (a term left out weighs 1 per"
+      f" terms are {list(loss_out)}. Name terms of the loss (a term left out weighs 1 per"
       " micro-batch)."
     )
-  return Terms(names, weight_fn, where)
+  return tuple(loss_out)
+
+
+def split(loss: Any) -> tuple[Any, dict[str, Any]]:
+  """``(the window's loss, its terms' values)`` of a window's mean loss (``{}`` for one term)."""
+  if not isinstance(loss, Mapping):
+    return loss, {}
+  return loss["loss"], {n: v for n, v in loss.items() if n != "loss"}
 
 
 def refused(where: str, names: list[str]) -> str:
-  """Why ``where`` cannot take a loss of the terms ``names`` here, and what to do instead."""
-  if where == "micro_step":
-    why = (
-      "a call on one micro-batch cannot normalize each term over the window. Use ga.train_step,"
-      " ga.value_and_grad or the Flax steps, which do"
-    )
-  else:  # the probe failed (_microbatch.MicrobatchedGrad.with_terms)
-    why = (
-      "ga reads a loss's terms by tracing it on one micro-batch before the step, and that trace"
-      " failed (e.g. a loss that calls jax.shard_map itself)"
-    )
+  """Why ``where`` (a streaming call) cannot take a loss of the terms ``names``."""
   return (
-    f"{where}: loss_fn returns a dict of terms {names}, but {why}; or return one scalar (the sum"
-    " of the terms, weighted as you need)."
+    f"{where}: loss_fn returns a dict of terms {names}, but a call on one micro-batch cannot"
+    " normalize each term over the window. Use ga.train_step, ga.value_and_grad or the Flax"
+    " steps, which do; or return one scalar (the sum of the terms, weighted as you need)."
   )

@@ -201,9 +201,7 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     # A voided window restores float model state (statistics), counters advance; None stays None.
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
     metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)
-    metrics.update(terms, updated=new_state.updated)
-    if window.stats is not None:
-      metrics["window_stats"] = window.stats
+    metrics.update(terms, **(window.before or {}), updated=new_state.updated)
     return new_params, new_model_state, new_state, metrics
 
   return fused
