@@ -11,7 +11,8 @@ adam, k micro-batches of b tokens, params and state donated:
 
 Memory: each program compiled on shapes, its peak read from ``compiled.memory_analysis()``
 (arguments + outputs - aliased + temp; deterministic). Time: the median of ``--reps`` windows
-after a warm-up, the ratios within one run.
+after a warm-up, the programs interleaved (one window of each per round), the ratios within
+one run.
 
   python benchmarks/window_inputs.py --out benchmarks/results
 """
@@ -96,7 +97,7 @@ def run(E=8, D=128, L=4, b=64, k=8, reps=20):
     "aux": (jnp.arange(B) % 3 == 0).astype(jnp.float32),
   }
   tx, programs = steps(E, D, L, k)
-  out = {}
+  out, live, times = {}, {}, {name: [] for name in programs}
   for name, step in programs.items():
     state = tx.init(params)
     analysis = step.lower(params, state, batch).compile().memory_analysis()
@@ -104,20 +105,20 @@ def run(E=8, D=128, L=4, b=64, k=8, reps=20):
       analysis.argument_size_in_bytes + analysis.output_size_in_bytes
       - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
     )  # fmt: skip
+    out[name] = {"peak_bytes": int(peak), "temp_bytes": int(analysis.temp_size_in_bytes)}
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
-    p, s, _ = step(p, s, batch)
-    jax.block_until_ready(p)
-    times = []
-    for _ in range(reps):
+    p, s, _ = step(p, s, batch)  # compiled and warm
+    live[name] = (jax.block_until_ready(p), s)
+  for _ in range(reps):  # interleaved: one window of each program per round
+    for name, step in programs.items():
+      p, s = live[name]
       t0 = time.perf_counter()
       p, s, _ = step(p, s, batch)
       jax.block_until_ready(p)
-      times.append(time.perf_counter() - t0)
-    out[name] = {
-      "peak_bytes": int(peak),
-      "temp_bytes": int(analysis.temp_size_in_bytes),
-      "ms": 1e3 * statistics.median(times),
-    }
+      times[name].append(time.perf_counter() - t0)
+      live[name] = (p, s)
+  for name in programs:
+    out[name]["ms"] = 1e3 * statistics.median(times[name])
   params_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
   return {
     "config": dict(E=E, D=D, L=L, b=b, k=k, reps=reps, params_bytes=params_bytes),
@@ -137,14 +138,16 @@ def run(E=8, D=128, L=4, b=64, k=8, reps=20):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 reps (the test suite)")
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args()
-  result = run(reps=args.reps)
+  sizes = dict(E=4, D=16, L=2, b=8, k=2, reps=2) if args.smoke else dict(reps=args.reps)
+  result = run(**sizes)
   text = json.dumps(result, indent=1)
   print(text)
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = "jax" + "".join(jax.__version__.split(".")[:2])
+    tag = "smoke" if args.smoke else "jax" + "".join(jax.__version__.split(".")[:2])
     (args.out / f"window_inputs_{tag}.json").write_text(text + "\n")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ from gradaccum_jax._parts import (
   Micro,
   Off,
   Overwritten,
+  Static,
   SumsUnit,
   Window,
   keeps_running_means,
@@ -33,13 +34,21 @@ from gradaccum_jax._parts import (
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map, to_varying
-from gradaccum_jax._terms import Terms, names_of, per_term, split
+from gradaccum_jax._terms import Terms, names_of, split
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
 # Units beyond the built-in ones, each made by ``make(mg)`` (a MicrobatchedGrad): its part
 # follows the model state's in every window's ``parts`` (docs/architecture.md, "Adding a unit").
 UNITS: list[Callable[[Any], Any]] = []
+
+
+def per_term(weight_fn: Any, mb: Any) -> bool:
+  """Whether ``weight_fn`` returns per-term weights (a dict) on micro-batch ``mb`` (traced for
+  its output's type only: other outputs are checked where the weights are used)."""
+  if weight_fn is None:
+    return False
+  return jax.eval_shape(lambda m: Static(isinstance(weight_fn(m), Mapping)), mb).value
 
 
 def refs_available() -> bool:

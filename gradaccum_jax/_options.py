@@ -94,6 +94,8 @@ class LossSpec:
       if n > 2 + self.has_state + self.takes_stats:
         called += ", rng"
         fix = "add an rng argument to loss_fn, or call the step without rng="
+      elif self.takes_stats:
+        fix = "with window_stats=, loss_fn gets the window's statistics after the micro-batch"
       else:
         fix = "call the step with rng=key if loss_fn takes a key"
         if not self.has_state:

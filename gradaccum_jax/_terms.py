@@ -97,11 +97,6 @@ def _dtype(loss: dict) -> Any:
   return jnp.result_type(*loss.values())
 
 
-def per_term(weight_fn: Any, mb: Any) -> bool:
-  """Whether ``weight_fn`` returns per-term weights (a dict) on micro-batch ``mb`` (shapes)."""
-  return weight_fn is not None and isinstance(jax.eval_shape(weight_fn, mb), Mapping)
-
-
 def names_of(loss_out: Any, weights_out: Mapping, where: str) -> tuple[str, ...]:
   """The terms of a loss whose value on one micro-batch is ``loss_out`` (abstract), for the
   per-term weights ``weights_out``: a ValueError for weights the terms do not fit."""

@@ -223,3 +223,12 @@ def test_run_all_smoke(tmp_path):
   for png in pngs:
     assert (tmp_path / png).stat().st_size > 0
     assert f"]({png})" in report
+
+
+def test_window_inputs_smoke(tmp_path):
+  """The cost of window statistics and per-term weights: peaks and times of the four programs."""
+  run_script([sys.executable, "benchmarks/window_inputs.py", "--smoke", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "window_inputs_smoke.json").read_text())
+  assert set(result["results"]) == {"own_stats", "window_stats", "one_term", "terms"}
+  for run in result["results"].values():
+    assert run["peak_bytes"] > 0 and run["ms"] > 0

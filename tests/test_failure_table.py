@@ -276,6 +276,13 @@ TRIGGERS = {
   ),
   "a term of weight 0 whose value is NaN (the 0/0 of an empty term)": empty_term,
   "a loss of several terms in `ga.micro_step`": terms_in_micro_step,
+  "`window_stats=` given to a streaming call (`ga.micro_step`)": lambda: ga.micro_step(
+    xent_loss, ga.accumulate(optax.sgd(0.1), 2), window_stats=lambda p, mb: {}
+  ),
+  "`window_stats_reduce=` without `window_stats=`": lambda: fused(window_stats_reduce="sum"),
+  "a `loss_fn` that takes no statistics, given `window_stats=`": lambda: fused(
+    window_stats=lambda p, mb: {"n": jnp.sum(mb["y"])}
+  ),
   "`(loss, aux)` returned without `has_aux=True`": lambda: fused(
     loss_fn=lambda p, mb: (xent_loss(p, mb), 1.0)
   ),
