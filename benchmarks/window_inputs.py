@@ -4,7 +4,8 @@ the per-term weights of a loss of several terms, each against the same step with
 A top-2-of-E MoE of L stacked blocks under ``lax.scan`` (each block ``jax.checkpoint``-ed),
 adam, k micro-batches of b tokens, params and state donated:
 
-  own_stats     the balance loss from each micro-batch's own expert counts (no extra pass)
+  own_stats     the balance loss from each micro-batch's own expert counts, read off its forward
+                pass (no extra pass: what accumulation without window statistics trains)
   window_stats  the global-batch balance loss: ``window_stats=`` counts over the window first
   one_term      the loss as one scalar, weighted by tokens (``weight_fn`` -> a scalar)
   terms         the same two terms as a dict, each weighted by its own tokens
@@ -50,9 +51,13 @@ def model(E, D, L):
     _, (counts, _) = forward(params, mb["x"])
     return {"counts": counts, "tokens": jnp.sum(mb["mask"]).astype(jnp.int32)}
 
-  def loss(params, mb, s):
-    h, (_, prob) = forward(params, mb["x"])
+  def loss(params, mb, s=None):
+    """The balance loss from the window's counts ``s``, or (None) from this micro-batch's own,
+    read off the same forward pass."""
+    h, (counts, prob) = forward(params, mb["x"])
     err = jnp.sum(jnp.mean((h - mb["y"]) ** 2, axis=1) * mb["mask"]) / jnp.sum(mb["mask"])
+    if s is None:
+      s = {"counts": counts, "tokens": jnp.sum(mb["mask"]).astype(jnp.int32)}
     return err + 0.01 * E * jnp.sum(s["counts"] / (2 * s["tokens"]) * prob)
 
   def terms(params, mb):
@@ -70,7 +75,7 @@ def steps(E, D, L, k):
   stats, loss, terms = model(E, D, L)
   tx = ga.accumulate(optax.adam(1e-3), k)
   return tx, {
-    "own_stats": ga.train_step(lambda p, mb: loss(p, mb, stats(p, mb)), tx, donate=True),
+    "own_stats": ga.train_step(loss, tx, donate=True),
     "window_stats": ga.train_step(loss, tx, window_stats=stats, donate=True),
     "one_term": ga.train_step(
       lambda p, mb: sum(terms(p, mb).values()), tx, donate=True,

@@ -288,12 +288,17 @@ class MicroPass:
 
       return jax.lax.cond(coef[t] > 0, run, nothing, None)
 
-    def each(_) -> Any:  # a loop over the terms: one term's gradient held at a time
+    def each(_) -> Any:
+      if in_place:  # each term's backward pass adds into the Refs
+        for t in opts.terms.names:
+          one(t)
+        return ()
+      # Carried: a loop over the terms, one term's gradient held at a time beside the sum (in
+      # place, the same loop made XLA hold one more accumulator: benchmarks/window_inputs.py).
       branches = [lambda _, t=t: one(t) for t in opts.terms.names]
 
       def body(j: Any, total: Any) -> Any:
-        g = jax.lax.switch(j, branches, None)
-        return total if in_place else jax.tree.map(jnp.add, total, g)
+        return jax.tree.map(jnp.add, total, jax.lax.switch(j, branches, None))
 
       return jax.lax.fori_loop(0, len(branches), body, nothing(None))
 
