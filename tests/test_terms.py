@@ -260,7 +260,8 @@ def test_per_term_weights_keep_the_in_place_add_and_its_peak(grads_in_place):
 def test_per_term_weights_on_stacked_layers_add_in_place_at_the_one_term_peak():
   """Stacked blocks under one lax.scan, gradients added in place: the pass term by term adds
   each term's gradient into the accumulator too, so the peak stays within three micro-batches'
-  activations of the one-term step's (a loop over the terms there held one more accumulator)."""
+  activations of the one-term step's (a loop over the terms there held one more accumulator);
+  carried, one gradient more."""
   L, D, k = 4, 64, 4
   params = {"w": jax.random.normal(jax.random.key(0), (L, D, D)) / D**0.5}
 
@@ -284,4 +285,6 @@ def test_per_term_weights_on_stacked_layers_add_in_place_at_the_one_term_peak():
     for s in (one, per_term)
   ]
   activations = (B // k) * D * (L + 1) * 4  # the block inputs and output of one micro-batch
-  assert peaks[1] - peaks[0] <= 3 * activations, (peaks, activations)
+  in_place = ga.inspect_step(per_term, params, tx.init(params), batch).grads_in_place
+  A = params["w"].size * 4  # carried (JAX 0.10): the terms' sum beside one term's gradient
+  assert peaks[1] - peaks[0] <= 3 * activations + (0 if in_place else A), (peaks, activations)
