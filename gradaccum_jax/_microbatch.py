@@ -490,10 +490,12 @@ def value_and_grad(
   counts, ``L`` is the token mean). A weight-0 micro-batch adds nothing, even NaN.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss, or
-      ``(loss, aux)`` with ``has_aux`` (float aux averaged, integer aux summed).
+    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss (a dict: terms,
+      docs/usage.md), or ``(loss, aux)`` with ``has_aux`` (float aux averaged, integer summed).
     num_microbatches: ``k``, a positive int that divides the batch size.
-    weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens), or None.
+    weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens; a dict: per term).
+    window_stats, window_stats_reduce: ``stats_fn(params, microbatch)`` reduced over the window
+      first, then ``loss_fn(params, microbatch, stats)`` (docs/models.md, "Mixture of experts").
     accum_dtype: the accumulator's dtype (float32; ``None``: the gradients').
     has_state: ``loss_fn(params, model_state, microbatch[, rng]) -> (loss, new_state)``.
     batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm statistics update:

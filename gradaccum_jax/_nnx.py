@@ -165,6 +165,7 @@ def nnx_train_step(
       ``nnx.clone`` shares them, is deleted: copy it first, or pass ``donate=False``).
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
     has_aux, weight_fn, compute_dtype, grads_in_place, aux_reduce: as in :func:`train_step`.
+    window_stats, window_stats_reduce: as in :func:`train_step`, ``stats_fn(model, microbatch)``.
     mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
   Returns:

@@ -68,7 +68,7 @@ def train_step(
     loss_fn, has_aux, has_state: as in :func:`value_and_grad`; with ``has_state`` the step
       takes and returns ``model_state`` after ``params``.
     tx: made by :func:`accumulate` with an int ``num_microbatches``.
-    weight_fn: ``microbatch -> scalar`` weight (e.g. non-padding tokens).
+    weight_fn, window_stats, window_stats_reduce: as in :func:`value_and_grad` (per-term weights).
     donate, jit: donate ``params`` and ``state``; return the step jitted (default).
     batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over

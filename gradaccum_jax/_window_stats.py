@@ -1,5 +1,5 @@
-"""Statistics of the whole window that the loss reads (docs/usage.md, "Window statistics the
-loss reads"): a global-batch balance loss needs the window's expert fractions in every
+"""Statistics of the whole window that the loss reads (docs/models.md, "Mixture of experts: a
+global-batch balance loss"): a global-batch balance loss needs the window's expert fractions in every
 micro-batch's backward pass.
 
 Before the window's loop a forward-only pass runs ``window_stats`` on each micro-batch (from the
@@ -36,12 +36,6 @@ class WindowStats:
   def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> Any:
     args = (params, model_state, mb) if self.has_state else (params, mb)
     return self.fn(*args) if key is None else self.fn(*args, key)
-
-  def like(self, params: Any, model_state: Any, mb: Any, key: Any) -> Any:
-    """The window value's shapes and dtypes, from one micro-batch's (all abstract)."""
-    one = jax.eval_shape(self.call, params, model_state, mb, key)
-    final = jax.eval_shape(lambda x: self.reducers.final(self.reducers.init(x), 1.0, x), one)
-    return final
 
   def window(self, take: Callable, weighting: Any, model_state: Any, *, k: int, num: Any,
              vary: tuple) -> Any:  # fmt: skip
