@@ -269,7 +269,7 @@ class MicroPass:
     _, coef, _ = opts.terms.shares(mb)
 
     def f(q: Any, only: str | None = None, checked: bool = False) -> Any:
-      return opts.objective(q, start, mb, key, scale, only, checked)
+      return opts.objective(q, start, mb, key, scale, only=only, checked=checked)
 
     def backward(out: jax.Array, vjp_fn: Any) -> Any:
       seed = jnp.ones_like(out) if not in_place else (w / self.norm).astype(out.dtype)
@@ -378,7 +378,9 @@ class MicrobatchedGrad:
     out = jax.eval_shape(lambda: opts.loss.call(p, inputs.model_state, mb, key, opts.stats)[0])
     names = names_of(out, jax.eval_shape(opts.weighting.fn, mb), opts.where)
     k = self.num_microbatches
-    return Terms.make(names, opts.weighting.fn, inputs.batch, k, num, vary, microbatch)
+    return Terms.make(
+      names, opts.weighting.fn, inputs.batch, k=k, num=num, vary=vary, split=microbatch
+    )
 
   def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> tuple:
     """The window's units, in the order of ``Window.parts``: :meth:`summed_units` (the sums

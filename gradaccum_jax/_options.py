@@ -133,7 +133,7 @@ class Options:
   def has_state(self) -> bool:
     return self.loss.has_state
 
-  def objective(self, params, model_state, mb, key, scale, only=None, checked=False):
+  def objective(self, params, model_state, mb, key, scale, *, only=None, checked=False):
     """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated. A loss of
     several terms (``_terms``) as the sums take it: ``{"loss": ..., "loss_terms": ...}``;
     ``only``: one term's alone; ``checked``: the rest also says whether every term of weight 0

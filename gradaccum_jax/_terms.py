@@ -45,7 +45,7 @@ class Terms:
   totals: Any = None  # {term: W_t} over the window and the devices
 
   @classmethod
-  def make(cls, names, weight_fn, batch, k: int, num: Any, vary: tuple, split) -> Terms:
+  def make(cls, names, weight_fn, batch, *, k: int, num: Any, vary: tuple, split) -> Terms:
     """The terms and every ``W_t`` over the window's first ``num`` micro-batches (and the
     devices ``vary``), from ``weight_fn`` alone, before the loop (``split``: the micro-batch
     split)."""
