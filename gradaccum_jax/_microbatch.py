@@ -34,7 +34,7 @@ from gradaccum_jax._parts import (
   zeros_accumulator,
 )
 from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map, to_varying
-from gradaccum_jax._terms import Terms, names_of, split
+from gradaccum_jax._terms import Terms, names_of, refused, split
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
 
@@ -186,17 +186,6 @@ def _in_place_refs(acc, weighting, batch, k, num, vary) -> tuple[Any, jax.Array 
   return jax.tree.map(lambda a: jax.new_ref(_scaled(a, inverse)), acc), norm
 
 
-def _taker(params: Any, batch: Any, rng: Any, k: int, per_micro: Any) -> Callable[[Any], tuple]:
-  """``i -> (params, microbatch, key)`` of micro-batch ``i``, as :class:`MicroPass` takes them."""
-
-  def take(i: Any) -> tuple:
-    key = None if rng is None else jax.random.fold_in(rng, i)
-    p = params if per_micro is None else per_micro.gather(params, i)
-    return p, microbatch(batch, i, k), key
-
-  return take
-
-
 def _scaled(x: jax.Array, factor: jax.Array | None) -> jax.Array:
   """``x * factor`` in ``x``'s dtype; ``x`` itself for no factor (an unweighted window)."""
   return x if factor is None else x * factor.astype(x.dtype)
@@ -236,11 +225,8 @@ class MicroPass:
   norm: jax.Array | None = None
 
   def __call__(self, i: Any, start: Any) -> Micro:
-    params, batch, rng, _, scale, _ = self.inputs
-    opts, fp8 = self.opts, self.fp8
-    mb = microbatch(batch, i, self.k)
-    key = None if rng is None else jax.random.fold_in(rng, i)
-    p = params if self.per_micro is None else self.per_micro.gather(params, i)
+    scale, opts, fp8 = self.inputs.scale, self.opts, self.fp8
+    p, mb, key = self.take(i)
     w = opts.weighting.of(mb)
     if opts.terms is not None:  # per-term weights: the terms of weight 0 checked first
       return self.by_term(p, start, mb, key, w)
@@ -256,6 +242,13 @@ class MicroPass:
     if fp8 is not None:
       grads, aux = fp8.split(grads, aux, w)
     return Micro(loss, aux, grads, w, new_state)
+
+  def take(self, i: Any) -> tuple:
+    """``(params, microbatch, key)`` of micro-batch ``i``, as its loss gets them."""
+    params, batch, rng = self.inputs[:3]
+    key = None if rng is None else jax.random.fold_in(rng, i)
+    p = params if self.per_micro is None else self.per_micro.gather(params, i)
+    return p, microbatch(batch, i, self.k), key
 
   def by_term(self, p: Any, start: Any, mb: Any, key: Any, w: jax.Array) -> Micro:
     """A micro-batch of a loss with per-term weights (``_terms``): one backward pass where every
@@ -367,16 +360,12 @@ class MicrobatchedGrad:
 
   def terms(self, opts: Options, inputs: Inputs, take: Callable, *, num: Any, vary: tuple) -> Terms:
     """The loss's terms (its output on micro-batch 0 of ``inputs``, shapes only) and their
-    window totals; ``take``: a micro-batch's params, rows and key (:func:`_taker`)."""
-    if opts.where == "micro_step":
-      raise TypeError(
-        "micro_step: weight_fn returns per-term weights, but a call on one micro-batch cannot"
-        " normalize each term over the window. Use ga.train_step, ga.value_and_grad or the Flax"
-        " steps, which do."
-      )
+    window totals; ``take``: a micro-batch's params, rows and key (:meth:`MicroPass.take`)."""
     p, mb, key = take(0)
     out = jax.eval_shape(lambda: opts.loss.call(p, inputs.model_state, mb, key, opts.stats)[0])
     names = names_of(out, jax.eval_shape(opts.weighting.fn, mb), opts.where)
+    if opts.where == "micro_step":
+      raise TypeError(refused(opts.where, list(names)))
     k = self.num_microbatches
     return Terms.make(
       names, opts.weighting.fn, inputs.batch, k=k, num=num, vary=vary, split=microbatch
@@ -418,7 +407,7 @@ class MicrobatchedGrad:
     k, opts, ov = self.num_microbatches, self.options, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
-    take = _taker(params, batch, rng, k, per_micro)
+    take = MicroPass(opts, inputs, k, per_micro).take
     if opts.window_stats is not None:  # a forward-only pass over the window, before its loop
       stats = opts.window_stats.window(take, opts.weighting, model_state, k=k, num=num, vary=vary)
       opts = dataclasses.replace(opts, stats=stats)

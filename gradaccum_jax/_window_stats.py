@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._parts import COLLECTIVES, AuxReducers
-from gradaccum_jax._sharding import to_varying
+from gradaccum_jax._parts import AuxReducers, Unit
+from gradaccum_jax._sharding import reduce_parts, to_varying
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +66,29 @@ class WindowStats:
     return jax.lax.stop_gradient(reducers.final(acc, weight, like))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reduced(Unit):
+  """A device's partial statistics ``(reductions, weight)`` as a unit's part, combined over the
+  devices by what its ``reduce`` asks (``_sharding.reduce_parts``): the sums and the weight in
+  one all-reduce (integers exact), maxima and minima by their collectives."""
+
+  reducers: AuxReducers
+
+  def reduce(self, part: tuple) -> tuple[dict[str, Any], Callable[[dict[str, Any]], tuple]]:
+    acc, weight = part
+    asks = self.reducers.split(acc)
+    asks["sum"] = (asks["sum"], weight)
+
+    def finish(got: dict[str, Any]) -> tuple:
+      summed, total = got["sum"]
+      return self.reducers.join({**got, "sum": summed}), total
+
+    return asks, finish
+
+
 def _over_devices(reducers: AuxReducers, acc: Any, weight: jax.Array, vary: tuple, weighted: bool):
-  """A device's partial reductions combined over ``vary`` as the window's aux are: each leaf's
-  share by its reducer's collective; unweighted, each device's micro-batch weighs 1 / D."""
-  devices = jax.lax.psum(1, vary)
-  acc = reducers.share(acc, devices, weighted)
-  weight = weight if weighted else weight / devices
-  parts = reducers.split(acc)
-  parts["sum"] = (parts["sum"], weight)
-  got = {n: COLLECTIVES[n][0](t, vary) for n, t in parts.items()}
-  got["sum"], weight = got["sum"]
-  return reducers.join(got), weight
+  """A device's partial reductions combined over ``vary`` as the window's aux are; unweighted,
+  each device's micro-batch weighs 1 / D (each share linear: taken after the sum)."""
+  ((acc, weight),) = reduce_parts((_Reduced(reducers),), ((acc, weight),), (), vary)
+  devices = jax.lax.axis_size(vary)
+  return reducers.share(acc, devices, weighted), weight if weighted else weight / devices
