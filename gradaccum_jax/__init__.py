@@ -26,6 +26,8 @@ from gradaccum_jax._microbatch import value_and_grad as value_and_grad
 from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
 from gradaccum_jax._noise import NoiseScaleState as NoiseScaleState
 from gradaccum_jax._noise import noise_scale as noise_scale
+from gradaccum_jax._privacy import clipped_grad as clipped_grad
+from gradaccum_jax._privacy import dp_accumulate as dp_accumulate
 from gradaccum_jax._ramp import ramp_train_step as ramp_train_step
 from gradaccum_jax._train_step import train_step as train_step
 
@@ -48,6 +50,8 @@ __all__ = (
   "flush",
   "check_equivalence",
   "check_step",
+  "clipped_grad",
+  "dp_accumulate",
   "has_updated",
   "inspect_step",
   "linen_train_step",

@@ -274,6 +274,11 @@ class Accumulator:
   skip_nonfinite: bool
   loss_scale: DynamicLossScale | None = None
   noise_scale_ema: float | None = None
+  privacy: Any = None  # a _privacy.Privacy (ga.dp_accumulate), else None
+
+  def options(self, opts: Any) -> Any:
+    """A step's ``_options.Options`` under this transformation (DP's: ``_privacy``)."""
+    return opts if self.privacy is None else self.privacy.options(opts)
 
   def init(self, params: Params) -> AccumulateState:
     state = AccumulateState(
@@ -324,8 +329,12 @@ class Accumulator:
     window counted in ``num_skipped``. ``norm_by_rows``: see :func:`sq_norm`."""
     nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    weight = jnp.where(nonempty, acc_weight, 0.0)
-    mean_fn = functools.partial(_mean, acc_grads, weight, scale, grad_like)  # at each use
+    weight, summed = jnp.where(nonempty, acc_weight, 0.0), acc_grads
+    if self.privacy is not None:  # (clipped sum + noise) / B, whatever the data: never empty
+      nonempty = jnp.ones((), bool)
+      summed = self.privacy.noised(acc_grads, acc_weight, state.count)
+      weight = jnp.asarray(self.privacy.expected_batch_size, jnp.float32)
+    mean_fn = functools.partial(_mean, summed, weight, scale, grad_like)  # at each use
     # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
     ok, loss_scale = nonempty, state.loss_scale
@@ -531,7 +540,7 @@ MEAN_GRADIENT = object()
 class Accumulate(optax.GradientTransformationExtraArgs):
   """What :func:`accumulate` returns: an ``optax.GradientTransformationExtraArgs`` whose
   settings are attributes (``num_microbatches``, ``inner``, ``accum_dtype``,
-  ``skip_nonfinite``, ``loss_scale``, ``noise_scale_ema``)."""
+  ``skip_nonfinite``, ``loss_scale``, ``noise_scale_ema``, ``privacy``: DP's, else None)."""
 
   # A NamedTuple (init, update), as optax's; the settings ride beside its two fields.
   settings: Accumulator
@@ -551,6 +560,7 @@ class Accumulate(optax.GradientTransformationExtraArgs):
   skip_nonfinite = property(lambda self: self.settings.skip_nonfinite)
   loss_scale = property(lambda self: self.settings.loss_scale)
   noise_scale_ema = property(lambda self: self.settings.noise_scale_ema)
+  privacy = property(lambda self: self.settings.privacy)
 
   def fixed_num_microbatches(self, where: str) -> int:
     """``k``, or a TypeError naming ``where`` if ``num_microbatches`` is a schedule."""

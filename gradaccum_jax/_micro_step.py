@@ -112,7 +112,8 @@ class MicroStep:
   """
 
   def __init__(self, opts: Options, tx: Accumulate, *, donate: bool, jit: bool):
-    self.tx, self._opts, self._acc = tx, opts, tx.settings
+    self.tx, self._acc = tx, tx.settings
+    self._opts = opts = self._acc.options(opts)
     dp = opts.parallel
     self._slots = Slots(dp)
     self._mg = MicrobatchedGrad(opts, 1, noise_sums=self._acc.noise_scale_ema is not None)

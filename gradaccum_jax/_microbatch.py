@@ -125,6 +125,7 @@ CARRIED_BECAUSE = {
   "running_mean": "a 16-bit accumulator keeps a running mean",
   "narrow_loss": "a weighted loss narrower than float32 would round each weight in its seed",
   "streaming": "micro_step adds in place only when donated and without a mesh",
+  "privacy": "DP clips each example's gradient before it is summed",
 }
 
 
@@ -227,6 +228,8 @@ class MicroPass:
   def __call__(self, i: Any, start: Any) -> Micro:
     scale, opts, fp8 = self.inputs.scale, self.opts, self.fp8
     p, mb, key = self.take(i)
+    if opts.privacy is not None:  # each example's gradient clipped (_privacy)
+      return opts.privacy.micro(opts, p, start, mb, key)
     w = opts.weighting.of(mb)
     if opts.terms is not None:  # per-term weights: the terms of weight 0 checked first
       return self.by_term(p, start, mb, key, w)
@@ -327,6 +330,7 @@ class MicrobatchedGrad:
     if not refs_available():
       return "jax"
     for why, needs in (
+      ("privacy", self.options.privacy is not None),
       ("noise", self.noise_sums),
       ("per_microbatch", per_micro is not None),
       ("fp8", self.overwrite is not None),
@@ -350,6 +354,11 @@ class MicrobatchedGrad:
     params, dp, ov = inputs.params, self.options.parallel, overwrite
     check_trainable(params, where=self.options.where)
     core = self if ov is None else dataclasses.replace(self, overwrite=ov)
+    if ov is not None and self.options.privacy is not None:
+      raise ValueError(
+        f"{self.options.where}: the params hold {ov.name}, whose window value reads every"
+        " example: a DP transformation (ga.dp_accumulate) does not take it. Train without it."
+      )
     if ov is not None:  # its zeros beside the trained params' sums
       acc_init = ov.join(params, acc_init, jax.tree.map(jnp.zeros_like, ov.split(params)[1]))
     if dp is None:

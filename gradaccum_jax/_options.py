@@ -128,6 +128,7 @@ class Options:
   terms: Terms | None = None  # in a window of a loss with per-term weights, its terms' totals
   window_stats: WindowStats | None = None  # statistics of the window the loss reads, else None
   stats: Any = None  # their value in a window (_window_stats.WindowStats.window)
+  privacy: Any = None  # DP (_privacy.Privacy): each example's gradient clipped, else None
 
   @property
   def has_state(self) -> bool:

@@ -151,6 +151,7 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
   """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
   metrics)``: one window, scanned and closed; ``donated``: params and state are donated."""
   acc = tx.settings
+  opts = acc.options(opts)
   k = tx.fixed_num_microbatches(opts.where)
   mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
   dp = opts.parallel

@@ -1,0 +1,232 @@
+"""Differentially private accumulation (DP-SGD over a window, docs/privacy.md): each example's
+gradient clipped, Gaussian noise added once to the window's clipped sum, which is divided by a
+fixed expected batch size."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax._accumulate import Accumulate, accumulate, as_accumulate
+from gradaccum_jax._checks import check_real, check_weight, is_inexact
+from gradaccum_jax._options import Options, make_options
+from gradaccum_jax._parts import Micro, Weighting, addends, safe_mean, sq_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class Privacy:
+  """DP-SGD's settings (:func:`dp_accumulate`) and what it does to a micro-batch and a window."""
+
+  l2_clip: float
+  noise_multiplier: float
+  expected_batch_size: float
+  seed: int
+  example_weight: Callable[[Any], Any] | None = None  # weight_fn: > 0 for a real example
+
+  def options(self, opts: Options) -> Options:
+    """``opts`` under DP: each micro-batch weighs its real examples (:meth:`micro`)."""
+    if opts.window_stats is not None:
+      raise ValueError(
+        f"{opts.where}: a DP transformation (ga.dp_accumulate) does not take window_stats=: each"
+        " example's clipped gradient may read that example only, not statistics of the window."
+      )
+    priv = dataclasses.replace(self, example_weight=opts.weighting.fn)
+    return dataclasses.replace(opts, privacy=priv, weighting=Weighting(priv.count))
+
+  def real(self, example: Any) -> jax.Array:
+    """Whether ``example`` (a micro-batch of one row) is real: ``weight_fn`` above 0."""
+    if self.example_weight is None:
+      return jnp.ones((), bool)
+    what = "with a DP transformation, weight_fn(example) (1 for a real example, 0 for padding)"
+    return check_weight(self.example_weight(example), what) > 0
+
+  def count(self, mb: Any) -> jax.Array:
+    """The micro-batch's real examples, as float32: its weight."""
+    real = jax.vmap(lambda ex: self.real(_one_row(ex)))(mb)
+    return jnp.sum(real.astype(jnp.float32))
+
+  def micro(self, opts: Options, params: Any, start: Any, mb: Any, key: Any) -> Micro:
+    """One micro-batch: each example's gradient (``loss_fn`` on a micro-batch of its row alone,
+    example ``e`` with ``fold_in(key, e)``) clipped to ``l2_clip``, 0 for padding or a non-finite
+    gradient; its gradient is their mean over its real examples, its weight their number, so the
+    window's sums hold the clipped sum. Loss and aux: over the real examples."""
+    _check_state(start, opts.where)
+    rows = jax.tree.leaves(mb)[0].shape[0]
+    grad_fn = jax.value_and_grad(opts.objective, has_aux=True)
+
+    def one(e: jax.Array, ex: Any) -> tuple:
+      ex = _one_row(ex)
+      k = None if key is None else jax.random.fold_in(key, e)
+      (_, (loss, aux, new_state)), g = grad_fn(params, start, ex, k, None)
+      return loss, aux, new_state, g, self.real(ex)
+
+    loss, aux, new_state, g, real = jax.vmap(one)(jnp.arange(rows), mb)
+    sq = jax.vmap(sq_norm)(g)
+    ok = real & jnp.isfinite(sq)
+    w = jnp.sum(real.astype(jnp.float32))
+    # min(1, C / |g_e|): 1 for a zero gradient (C / 0 = inf); 0 for padding or a NaN.
+    factor = jnp.where(ok, jnp.minimum(1.0, self.l2_clip / jnp.sqrt(sq)), 0.0) / jnp.maximum(w, 1)
+
+    def clipped_mean(x: jax.Array) -> jax.Array:
+      wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+      kept = jnp.where(jnp.reshape(ok, (rows,) + (1,) * (x.ndim - 1)), wide, 0)
+      return jnp.tensordot(factor.astype(wide.dtype), kept, axes=1)
+
+    grads = jax.tree.map(clipped_mean, g)
+    mean = jax.tree.map(lambda x: safe_mean(jnp.sum(jnp.where(real, x, 0)), w), loss)
+    if opts.loss.has_aux:  # each leaf reduced over the real examples as over micro-batches
+      red, like = opts.aux_reduce, jax.tree.map(lambda x: x[0], aux)
+
+      def add(acc: Any, xs: tuple) -> tuple:
+        return red.add(acc, xs[0], xs[1].astype(jnp.float32), True), None
+
+      aux = red.final(jax.lax.scan(add, red.init(like), (aux, real))[0], w, like)
+    new_state = None if start is None else jax.tree.map(lambda x: x[0], new_state)
+    return Micro(mean, aux, grads, w, new_state)
+
+  def noised(self, acc_grads: Any, weight: jax.Array, count: jax.Array) -> Any:
+    """The window's clipped sum (from the accumulator ``acc_grads`` of total ``weight``) plus
+    N(0, (noise_multiplier * l2_clip)^2) on each coordinate: one draw per window, from
+    ``fold_in(key(seed), count)`` (``count``: the windows closed before it), so a resumed run
+    draws what the uninterrupted one would."""
+    total = addends(acc_grads, weight)
+    if self.noise_multiplier == 0:
+      return total
+    leaves, treedef = jax.tree.flatten(total)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), count), len(leaves))
+    std = self.noise_multiplier * self.l2_clip
+
+    def noisy(x: jax.Array, k: jax.Array) -> jax.Array:
+      z = jax.random.normal(k, x.shape, jnp.promote_types(x.dtype, jnp.float32))
+      return x.astype(z.dtype) + std * z
+
+    return treedef.unflatten([noisy(x, k) for x, k in zip(leaves, keys, strict=True)])
+
+
+def _one_row(example: Any) -> Any:
+  """An example as a micro-batch of one row: what ``loss_fn`` and ``weight_fn`` take."""
+  return jax.tree.map(lambda x: x[None], example)
+
+
+def _check_state(start: Any, where: str) -> None:
+  """A ValueError for a model state one example's loss could not keep to itself: float
+  statistics (BatchNorm) mix the examples, an RNG stream draws once for all of them."""
+  for path, x in jax.tree_util.tree_leaves_with_path(start):
+    if is_inexact(x) or jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+      raise ValueError(
+        f"{where}: with a DP transformation (ga.dp_accumulate) each example's loss runs alone,"
+        f" but the model state holds {jax.tree_util.keystr(path)} ({jnp.result_type(x)}):"
+        " float statistics (BatchNorm) mix the examples and an RNG stream would give every"
+        " example of a micro-batch one draw. Use a normalization without batch statistics"
+        " (LayerNorm, GroupNorm) and pass the step a key (rng=) for dropout."
+      )
+
+
+def dp_accumulate(
+  inner: optax.GradientTransformation,
+  num_microbatches: int,
+  *,
+  l2_clip: float,
+  noise_multiplier: float,
+  expected_batch_size: float,
+  seed: int = 0,
+  accum_dtype: Any = jnp.float32,
+  skip_nonfinite: bool = True,
+) -> Accumulate:
+  r"""DP-SGD over accumulation windows: :func:`accumulate` whose window update is private.
+
+  The fused steps (:func:`train_step`, :func:`linen_train_step`, :func:`nnx_train_step`) and
+  :func:`micro_step` clip each example's gradient :math:`g_e` (``loss_fn`` on its row alone) to
+  norm ``C = l2_clip`` and sum the window's; ``tx.update`` takes a micro-batch's from
+  :func:`clipped_grad`. The window closes with one ``inner`` update on
+
+  .. math:: G = \Big(\sum_e \min(1, C / \|g_e\|)\, g_e + \mathcal{N}(0, \sigma^2 C^2 I)\Big) / B,
+
+  :math:`\sigma` = ``noise_multiplier``, :math:`B` = ``expected_batch_size`` (fixed: the
+  realized count would depend on the data), the noise drawn once per window (on a mesh too)
+  from ``seed`` and ``state.count``, the windows an accountant counts (docs/privacy.md).
+  ``weight_fn(example)`` marks padding (0), which adds nothing; an example whose gradient is
+  not finite adds 0 too, so the window is voided for no reason of the data.
+
+  Args:
+    inner: the optimizer applied once per window (clipping of ``G`` may go inside it).
+    num_microbatches: ``k``, a positive int.
+    l2_clip, noise_multiplier, expected_batch_size: ``C > 0``, ``sigma >= 0``, ``B > 0``.
+    seed: the noise's seed (an int); keep it secret and fixed across a resumed run.
+    accum_dtype, skip_nonfinite: as in :func:`accumulate`.
+
+  Returns:
+    An :class:`Accumulate` whose ``privacy`` holds the settings.
+
+  Raises:
+    TypeError, ValueError: for settings out of range, naming the value.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.dp_accumulate(optax.sgd(1.0), 2, l2_clip=1.0, noise_multiplier=0.0,
+    ...                       expected_batch_size=4)
+    >>> loss_fn = lambda w, mb: jnp.mean(mb["x"] @ w)  # each example's gradient is its x
+    >>> batch = {"x": jnp.array([[3.0, 4.0], [0.0, 0.5], [0.0, 0.0], [0.6, 0.8]])}
+    >>> w, state, _ = ga.train_step(loss_fn, tx)(jnp.zeros(2), tx.init(jnp.zeros(2)), batch)
+    >>> w  # -(x_0 / 5 + x_1 + x_2 + x_3) / 4
+    Array([-0.3  , -0.525], dtype=float32)
+  """
+  settings = {"l2_clip": l2_clip, "noise_multiplier": noise_multiplier}
+  settings["expected_batch_size"] = expected_batch_size
+  for name, value in settings.items():
+    value = check_real(value, f"dp_accumulate: {name} must be a real number")
+    if not (value >= 0 if name == "noise_multiplier" else value > 0) or value == float("inf"):
+      at_least = ">= 0" if name == "noise_multiplier" else "> 0"
+      raise ValueError(f"dp_accumulate: {name}={value!r} must be finite and {at_least}.")
+    settings[name] = value
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f"dp_accumulate: seed must be an int, got {seed!r}.")
+  tx = accumulate(inner, num_microbatches, accum_dtype=accum_dtype, skip_nonfinite=skip_nonfinite)
+  acc = dataclasses.replace(tx.settings, privacy=Privacy(**settings, seed=seed))
+  return Accumulate(acc.init, acc.update, acc)
+
+
+def clipped_grad(
+  loss_fn: Callable[..., Any],
+  tx: Accumulate,
+  *,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+) -> Callable[..., Any]:
+  """A micro-batch's clipped gradient for ``tx.update`` of a :func:`dp_accumulate` ``tx``.
+
+  ``fn(params, microbatch, rng=None) -> (value, grads, weight)``: ``grads`` the mean over the
+  micro-batch's real examples of each example's gradient clipped to ``tx``'s ``l2_clip``,
+  ``weight`` their number, ``value`` the loss (``(loss, aux)`` with ``has_aux``) over them;
+  ``tx.update(grads, state, params, weight=weight)`` then adds their clipped sum, as a fused
+  step does (the noise is added when the window closes).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = ga.dp_accumulate(optax.sgd(1.0), 1, l2_clip=1.0, noise_multiplier=0.0,
+    ...                       expected_batch_size=2)
+    >>> fn = ga.clipped_grad(lambda w, mb: jnp.mean(mb @ w), tx)
+    >>> _, grads, weight = fn(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.0, 0.5]]))
+    >>> grads, weight  # (x_0 / 5 + x_1) / 2 over 2 examples
+    (Array([0.3 , 0.65], dtype=float32), Array(2., dtype=float32))
+  """
+  privacy = as_accumulate(tx).settings.privacy
+  if privacy is None:
+    raise TypeError(
+      "clipped_grad: tx must be made by ga.dp_accumulate (it holds l2_clip), got a transformation"
+      " without privacy settings."
+    )
+  opts = privacy.options(make_options("clipped_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn))
+
+  def fn(params: Any, microbatch: Any, rng: Any = None) -> tuple[Any, Any, jax.Array]:
+    m = opts.privacy.micro(opts, params, None, microbatch, rng)
+    return opts.loss.pack(m.loss, m.aux, None), m.grads, m.weight
+
+  return fn
