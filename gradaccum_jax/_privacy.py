@@ -54,30 +54,52 @@ class Privacy:
     """One micro-batch: each example's gradient (``loss_fn`` on a micro-batch of its row alone,
     example ``e`` with ``fold_in(key, e)``) clipped to ``l2_clip``, 0 for padding or a non-finite
     gradient; its gradient is their mean over its real examples, its weight their number, so the
-    window's sums hold the clipped sum. Loss and aux: over the real examples."""
+    window's sums hold the clipped sum. Loss and aux: over the real examples.
+
+    Two passes: each example's gradient norm (a ``vmap``), then one backward pass of
+    ``sum_e f_e L_e`` with each ``f_e`` the clip factor, which is the clipped sum without the
+    examples' gradients held side by side. Where an example's gradient is not finite (NaN
+    padding), whose 0 * NaN would spread in that pass, the examples are summed one at a time."""
     _check_state(start, opts.where)
     rows = jax.tree.leaves(mb)[0].shape[0]
-    grad_fn = jax.value_and_grad(opts.objective, has_aux=True)
+    es = jnp.arange(rows)
 
-    def one(e: jax.Array, ex: Any) -> tuple:
-      ex = _one_row(ex)
+    def loss_of(q: Any, e: jax.Array, ex: Any) -> tuple:  # (objective, (loss, aux, new_state))
       k = None if key is None else jax.random.fold_in(key, e)
-      (_, (loss, aux, new_state)), g = grad_fn(params, start, ex, k, None)
-      return loss, aux, new_state, g, self.real(ex)
+      return opts.objective(q, start, _one_row(ex), k, None)
 
-    loss, aux, new_state, g, real = jax.vmap(one)(jnp.arange(rows), mb)
-    sq = jax.vmap(sq_norm)(g)
-    ok = real & jnp.isfinite(sq)
-    w = jnp.sum(real.astype(jnp.float32))
+    def grad_of(e: jax.Array, ex: Any) -> Any:
+      return jax.grad(lambda q: loss_of(q, e, ex)[0])(params)
+
+    real = jax.vmap(lambda ex: self.real(_one_row(ex)))(mb)
+    sq = jax.vmap(lambda e, ex: sq_norm(grad_of(e, ex)))(es, mb)
+    ok, w = real & jnp.isfinite(sq), jnp.sum(real.astype(jnp.float32))
     # min(1, C / |g_e|): 1 for a zero gradient (C / 0 = inf); 0 for padding or a NaN.
     factor = jnp.where(ok, jnp.minimum(1.0, self.l2_clip / jnp.sqrt(sq)), 0.0) / jnp.maximum(w, 1)
+    wide = jax.tree.map(lambda p: jnp.promote_types(jnp.result_type(p), jnp.float32), params)
 
-    def clipped_mean(x: jax.Array) -> jax.Array:
-      wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-      kept = jnp.where(jnp.reshape(ok, (rows,) + (1,) * (x.ndim - 1)), wide, 0)
-      return jnp.tensordot(factor.astype(wide.dtype), kept, axes=1)
+    def batched(_: None) -> tuple:
+      def weighted(q: Any) -> tuple:
+        out, rest = jax.vmap(loss_of, (None, 0, 0))(q, es, mb)
+        return jnp.sum(factor.astype(out.dtype) * out), rest
 
-    grads = jax.tree.map(clipped_mean, g)
+      (_, rest), grads = jax.value_and_grad(weighted, has_aux=True)(params)
+      return jax.tree.map(lambda g, d: g.astype(d), grads, wide), rest
+
+    def one_by_one(_: None) -> tuple:
+      def add(e: jax.Array, total: Any) -> Any:
+        g = grad_of(e, jax.tree.map(lambda x: x[e], mb))
+        return jax.tree.map(
+          lambda t, x: t + jnp.where(ok[e], factor[e] * x, 0).astype(t.dtype), total, g
+        )
+
+      zeros = jax.tree.map(jnp.zeros_like, params, wide)  # device-varying as the params are
+      rest = jax.vmap(lambda e, ex: loss_of(params, e, ex)[1])(es, mb)  # forward only
+      return jax.lax.fori_loop(0, rows, add, zeros), rest
+
+    grads, (loss, aux, new_state) = jax.lax.cond(
+      jnp.all(jnp.isfinite(sq)), batched, one_by_one, None
+    )
     mean = jax.tree.map(lambda x: safe_mean(jnp.sum(jnp.where(real, x, 0)), w), loss)
     if opts.loss.has_aux:  # each leaf reduced over the real examples as over micro-batches
       red, like = opts.aux_reduce, jax.tree.map(lambda x: x[0], aux)
@@ -223,7 +245,9 @@ def clipped_grad(
       "clipped_grad: tx must be made by ga.dp_accumulate (it holds l2_clip), got a transformation"
       " without privacy settings."
     )
-  opts = privacy.options(make_options("clipped_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn))
+  opts = privacy.options(
+    make_options("clipped_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn)
+  )
 
   def fn(params: Any, microbatch: Any, rng: Any = None) -> tuple[Any, Any, jax.Array]:
     m = opts.privacy.micro(opts, params, None, microbatch, rng)

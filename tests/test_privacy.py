@@ -15,14 +15,18 @@ import gradaccum_jax as ga
 
 N, C, B, LR = 32, 3.0, 40.0, 0.1  # rows, clip norm (about half the examples clip), B, lr
 PARAMS = init_mlp(jax.random.key(0), (6, 16, 8))
-FSDP = {"layer0": {"w": P(None, "data"), "b": P("data")}, "layer1": {"w": P("data"), "b": P("data")}}
+FSDP = {
+  "layer0": {"w": P(None, "data"), "b": P("data")},
+  "layer1": {"w": P("data"), "b": P("data")},
+}
 
 
-def make(key=1):
-  """A batch of N rows, about a quarter of them padding (mask 0) full of NaN."""
+def make(key=1, pad=0.0):
+  """A batch of N rows, about a quarter of them padding (mask 0) filled with ``pad``: 0 (every
+  gradient finite: one backward pass of the weighted losses) or NaN (examples one at a time)."""
   batch = make_batch(jax.random.key(key), N, num_classes=8)
   mask = (jax.random.uniform(jax.random.key(key + 100), (N,)) > 0.25).astype(jnp.float32)
-  x = jnp.where(mask[:, None] > 0, batch["x"], jnp.nan)
+  x = jnp.where(mask[:, None] > 0, batch["x"], pad)
   return dict(batch, x=x, mask=mask)
 
 
@@ -44,22 +48,24 @@ def _grad(fn):
   return _grads[fn]
 
 
-def clipped_sum(params, batch):
+def clipped_sum(params, batch, loss=loss_fn):
   """sum_e min(1, C / |g_e|) g_e over the real examples: plain jax.grad on each row alone."""
   total = jax.tree.map(jnp.zeros_like, params)
   for e in range(N):
     if float(batch["mask"][e]) == 0:
       continue
     row = jax.tree.map(lambda x, e=e: x[e : e + 1], batch)
-    g = _grad(loss_fn)(params, row)
-    norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(g))))
+    g = _grad(loss)(params, row)
+    norm = float(
+      np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(g)))
+    )
     total = jax.tree.map(lambda t, x, norm=norm: t + x * min(1.0, C / norm), total, g)
   return total
 
 
-def sgd(params, batch):
+def sgd(params, batch, loss=loss_fn):
   """One window of plain SGD on the by-hand private gradient (sigma = 0)."""
-  g = clipped_sum(params, batch)
+  g = clipped_sum(params, batch, loss)
   return jax.tree.map(lambda p, x: p - LR * x / B, params, g)
 
 
@@ -77,8 +83,9 @@ def put(tree, mesh, spec):
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("donate", [False, True])
-def test_train_step_is_the_by_hand_clipped_whole_batch_update(k, donate):
-  batch = make()
+@pytest.mark.parametrize("pad", [0.0, np.nan])
+def test_train_step_is_the_by_hand_clipped_whole_batch_update(k, donate, pad):
+  batch = make(pad=pad)
   tx = dp_tx(k)
   step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, donate=donate)
   params, state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
@@ -93,8 +100,9 @@ def test_train_step_is_the_by_hand_clipped_whole_batch_update(k, donate):
 
 
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
-def test_micro_step_and_tx_update_are_the_fused_window(accum_dtype):
-  batch, k = make(), 4
+@pytest.mark.parametrize("pad", [0.0, np.nan])
+def test_micro_step_and_tx_update_are_the_fused_window(accum_dtype, pad):
+  batch, k = make(pad=pad), 4
   tol = dict(rtol=1e-5, atol=1e-6) if accum_dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-3)
   want = sgd(PARAMS, batch)
   tx = dp_tx(k, accum_dtype=accum_dtype)
@@ -114,16 +122,21 @@ def test_micro_step_and_tx_update_are_the_fused_window(accum_dtype):
   assert_trees_close(params, want, **tol)
 
 
-@pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
-@pytest.mark.parametrize("sigma", [0.0, 1.3])
-def test_on_a_mesh_the_sums_and_the_noise_are_the_one_device_window_s(specs, sigma):
+@pytest.mark.parametrize(
+  "specs,gather", [(None, "once"), (FSDP, "once"), (FSDP, "per_microbatch")],
+  ids=["replicated", "fsdp", "fsdp-per_microbatch"],
+)
+@pytest.mark.parametrize("sigma,pad", [(0.0, 0.0), (1.3, np.nan)])
+def test_on_a_mesh_the_sums_and_the_noise_are_the_one_device_window_s(specs, gather, sigma, pad):
   """8 devices, k = 2: the update equals the one-device step's (sigma = 0: the by-hand one), the
   noise drawn once for the window, not once per device (that would be sqrt(8) larger)."""
-  batch, k = make(), 2
+  batch, k = make(pad=pad), 2
   mesh = jax.make_mesh((8,), ("data",))
   tx = dp_tx(k, sigma, seed=7)
   one = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(PARAMS, tx.init(PARAMS), batch)[0]
-  step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, mesh=mesh, param_specs=specs)
+  step = ga.train_step(
+    loss_fn, tx, weight_fn=weight_fn, mesh=mesh, param_specs=specs, gather_params=gather
+  )
   params = PARAMS if specs is None else put(PARAMS, mesh, FSDP)
   new, state, _ = step(params, tx.init(params), put(batch, mesh, P("data")))
   assert_trees_close(new, one)
@@ -178,7 +191,9 @@ def test_a_resumed_run_draws_the_uninterrupted_run_s_noise():
   assert_trees_close(resumed, params, rtol=0, atol=0)
   other = dp_tx(2, sigma=1.1, seed=4, inner=optax.adam(1e-2))
   p4 = ga.train_step(loss_fn, other, weight_fn=weight_fn)(PARAMS, other.init(PARAMS), batches[0])[0]
-  assert not np.allclose(p4["layer0"]["w"], step(PARAMS, tx.init(PARAMS), batches[0])[0]["layer0"]["w"])
+  assert not np.allclose(
+    p4["layer0"]["w"], step(PARAMS, tx.init(PARAMS), batches[0])[0]["layer0"]["w"]
+  )
 
 
 # JAX Privacy 2.0.0 calls optax.global_norm, which optax 0.2.8 deprecates.
@@ -211,7 +226,9 @@ def test_a_window_of_padding_only_still_takes_its_noisy_step():
   """Voiding an empty window would tell the data: it takes the step of sum 0 plus noise."""
   batch = dict(make(), mask=jnp.zeros(N))
   tx = dp_tx(2, sigma=1.0)
-  new, state, metrics = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(PARAMS, tx.init(PARAMS), batch)
+  new, state, metrics = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(
+    PARAMS, tx.init(PARAMS), batch
+  )
   assert bool(metrics["updated"]) and float(metrics["weight"]) == 0
   assert not np.allclose(new["layer1"]["b"], PARAMS["layer1"]["b"])
 
@@ -222,7 +239,6 @@ def test_linen_and_nnx_steps_clip_each_example():
   from flax.training import train_state
 
   batch, k = make(), 2
-  batch = dict(batch, x=jnp.where(jnp.isnan(batch["x"]), 0.0, batch["x"]))
   net = nn.Dense(8)
   variables = net.init(jax.random.key(0), batch["x"][:1])
 
@@ -232,12 +248,7 @@ def test_linen_and_nnx_steps_clip_each_example():
   def dense_loss(params, mb):
     return xent(net.apply({"params": params}, mb["x"]), mb)
 
-  global loss_fn
-  plain, loss_fn = loss_fn, dense_loss
-  try:
-    want = sgd(variables["params"], batch)
-  finally:
-    loss_fn = plain
+  want = sgd(variables["params"], batch, dense_loss)
   ts = train_state.TrainState.create(apply_fn=net.apply, params=variables["params"], tx=dp_tx(k))
   ts, _ = ga.linen_train_step(net, xent, weight_fn=weight_fn)(ts, batch)
   assert_trees_close(ts.params, want)
@@ -246,7 +257,9 @@ def test_linen_and_nnx_steps_clip_each_example():
   model.kernel[...] = variables["params"]["kernel"]
   model.bias[...] = variables["params"]["bias"]
   optimizer = nnx.Optimizer(model, dp_tx(k), wrt=nnx.Param)
-  ga.nnx_train_step(lambda m, mb: xent(m(mb["x"]), mb), weight_fn=weight_fn)(model, optimizer, batch)
+  ga.nnx_train_step(lambda m, mb: xent(m(mb["x"]), mb), weight_fn=weight_fn)(
+    model, optimizer, batch
+  )
   assert_trees_close({"kernel": model.kernel[...], "bias": model.bias[...]}, want)
 
 
@@ -277,18 +290,24 @@ def test_bad_settings_and_options_are_refused_before_any_work():
   with pytest.raises(ValueError, match="expected_batch_size=inf"):
     ga.dp_accumulate(optax.sgd(1.0), 2, l2_clip=1, noise_multiplier=1, expected_batch_size=np.inf)
   with pytest.raises(TypeError, match="seed must be an int"):
-    ga.dp_accumulate(optax.sgd(1.0), 2, l2_clip=1, noise_multiplier=1, expected_batch_size=8, seed=1.5)
+    ga.dp_accumulate(
+      optax.sgd(1.0), 2, l2_clip=1, noise_multiplier=1, expected_batch_size=8, seed=1.5
+    )
   with pytest.raises(TypeError, match="made by ga.dp_accumulate"):
     ga.clipped_grad(loss_fn, ga.accumulate(optax.sgd(1.0), 2))
   tx = dp_tx(2)
   with pytest.raises(ValueError, match="does not take window_stats="):
-    ga.train_step(loss_fn, tx, window_stats=lambda p, mb: jnp.mean(mb["x"]))(PARAMS, tx.init(PARAMS), make())
+    ga.train_step(loss_fn, tx, window_stats=lambda p, mb: jnp.mean(mb["x"]))(
+      PARAMS, tx.init(PARAMS), make()
+    )
 
   def bn_loss(params, state, mb):
     return loss_fn(params, mb), state
 
   with pytest.raises(ValueError, match=r"the model state holds \['mean'\] \(float32\)"):
-    ga.train_step(bn_loss, tx, has_state=True)(PARAMS, {"mean": jnp.zeros(3)}, tx.init(PARAMS), make())
+    ga.train_step(bn_loss, tx, has_state=True)(
+      PARAMS, {"mean": jnp.zeros(3)}, tx.init(PARAMS), make()
+    )
   with pytest.raises(ValueError, match=r"weight_fn\(example\)"):
     ga.train_step(loss_fn, tx, weight_fn=lambda ex: ex["mask"])(PARAMS, tx.init(PARAMS), make())
 
