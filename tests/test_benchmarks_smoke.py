@@ -232,3 +232,15 @@ def test_window_inputs_smoke(tmp_path):
   assert set(result["results"]) == {"own_stats", "window_stats", "one_term", "terms"}
   for run in result["results"].values():
     assert run["peak_bytes"] > 0 and run["ms"] > 0
+
+
+def test_privacy_smoke(tmp_path):
+  """DP-SGD's cost: peaks and times of the plain and private windows at two splits."""
+  run_script([sys.executable, "benchmarks/privacy.py", "--smoke", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "privacy_smoke.json").read_text())
+  assert set(result["results"]) == {
+    f"{n} k={k} b={b}" for n in ("plain", "dp") for k, b in ((4, 4), (2, 8))
+  }
+  for run in result["results"].values():
+    assert run["peak_bytes"] > 0 and run["ms"] > 0
+  assert len(result["ratios"]) == 4  # time and peak for each split

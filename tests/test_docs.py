@@ -94,6 +94,7 @@ STANDALONE = (
   "architecture.md",
   "migrating.md",
   "models.md",
+  "privacy.md",
   *(f"api/{p.name}" for p in sorted((DOCS / "api").glob("*.md"))),
 )
 
@@ -195,6 +196,17 @@ def test_architecture_adds_a_unit_with_one_line():
   # unit its sum joins that one (four scalars) and its max takes a pmax of its own.
   assert without == [("all-reduce", 3)], without
   assert sorted(with_unit) == [("all-reduce", 1), ("all-reduce", 4)], with_unit
+
+
+def test_privacy_page_trains_privately_and_accounts_for_its_windows():
+  """docs/privacy.md: three Poisson-sampled windows of one compiled program, the streaming loop
+  of clipped_grad and tx.update, and the accountant's epsilon for them and for a whole run."""
+  ns = run_blocks(DOCS / "privacy.md")
+  assert ns["windows"] == 3 and int(ns["state"].num_skipped) == 0
+  assert ns["step"]._cache_size() == 1  # one program for windows of every size
+  assert 0 < float(ns["metrics"]["weight"]) < ns["rows"]  # padded: fewer real rows than the buffer
+  assert int(ns["stream_state"].count) == 1 and bool(ga.has_updated(ns["stream_state"]))
+  assert 0 < ns["eps"] < ns["eps_run"] < 10
 
 
 def test_migrating_snippets_match_their_before():

@@ -54,6 +54,32 @@ def nan_row():
   return fused(dict(BATCH, x=BATCH["x"].at[3, 1].set(jnp.nan)))
 
 
+def dp(**kw):
+  settings = {"l2_clip": 1.0, "noise_multiplier": 1.0, "expected_batch_size": 16, **kw}
+  return ga.dp_accumulate(optax.sgd(0.1), K, **settings)
+
+
+def dp_nan_example():
+  """A NaN in one real example: its gradient adds 0 and the window is applied, as the window
+  without that example (padding) is."""
+  tx = dp(noise_multiplier=0.0)
+  batch = dict(BATCH, mask=jnp.ones(16))
+  bad = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
+  step = ga.train_step(xent_loss, tx, weight_fn=lambda ex: ex["mask"][0])
+  new, state, metrics = step(PARAMS, tx.init(PARAMS), bad)
+  want = step(PARAMS, tx.init(PARAMS), dict(batch, mask=batch["mask"].at[3].set(0.0)))[0]
+  close = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), new, want))
+  ok = bool(metrics["updated"]) and int(state.num_skipped) == 0 and all(close)
+  return "counted as 0" if ok else "voided or wrong"
+
+
+def dp_step(**kw):
+  tx = dp()
+  return ga.train_step(
+    xent_loss if "has_state" not in kw else lambda p, s, mb: (xent_loss(p, mb), s), tx, **kw
+  )
+
+
 def empty_term():
   """A second term whose elements are all in micro-batch 0: in the others it is 0 / 0 (NaN) and
   weighs 0, and the window's update is the whole batch's, finite ("counted as 0")."""
@@ -280,6 +306,18 @@ TRIGGERS = {
     xent_loss, ga.accumulate(optax.sgd(0.1), 2), window_stats=lambda p, mb: {}
   ),
   "`window_stats_reduce=` without `window_stats=`": lambda: fused(window_stats_reduce="sum"),
+  "`ga.dp_accumulate` with `l2_clip` not above 0 (or not finite)": lambda: dp(l2_clip=0.0),
+  "`ga.dp_accumulate` with a negative `noise_multiplier`": lambda: dp(noise_multiplier=-1.0),
+  "`window_stats=` with a `ga.dp_accumulate` transformation": lambda: dp_step(
+    window_stats=lambda p, mb: {}
+  )(PARAMS, dp().init(PARAMS), BATCH),
+  "a model state with float leaves (BatchNorm statistics) under `ga.dp_accumulate`": lambda: (
+    dp_step(has_state=True)(PARAMS, {"mean": jnp.zeros(3)}, dp().init(PARAMS), BATCH)
+  ),
+  "`ga.clipped_grad` given a transformation of `ga.accumulate`": lambda: ga.clipped_grad(
+    xent_loss, ga.accumulate(optax.sgd(0.1), 2)
+  ),
+  "a real example whose gradient is not finite under `ga.dp_accumulate`": dp_nan_example,
   "a `loss_fn` that takes no statistics, given `window_stats=`": lambda: fused(
     window_stats=lambda p, mb: {"n": jnp.sum(mb["y"])}
   ),
