@@ -12,6 +12,7 @@ import optax
 from gradaccum_jax._accumulate import Accumulate, accumulate
 from gradaccum_jax._checks import check_batch, check_budget, check_num_microbatches
 from gradaccum_jax._memory import compiled_bytes, device_memory_budget, memory_analysis
+from gradaccum_jax._options import check_unroll
 from gradaccum_jax._train_step import train_step
 
 
@@ -40,6 +41,7 @@ def step_memory(
   compute_dtype: Any = None,
   accum_dtype: Any = jnp.float32,
   donate: bool = False,
+  unroll: int = 1,
 ) -> int:
   """Bytes the compiled fused step needs for ``num_microbatches`` micro-batches.
 
@@ -54,6 +56,8 @@ def step_memory(
     num_microbatches: ``k``; must divide ``B``.
     tx: the inner optimizer (its state counts); ``optax.sgd(0.0)`` (no state) by default.
     accum_dtype: as in :func:`accumulate`.
+    unroll: micro-batches per trip of the loop, an int (:func:`train_step`): an unrolled loop
+      holds more of them at once.
 
   Returns:
     The estimated bytes, an int.
@@ -72,7 +76,12 @@ def step_memory(
   """
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   check_batch(batch, k)
+  if check_unroll(unroll, "step_memory") == "auto":
+    raise ValueError(
+      "step_memory: unroll must be an int; ga.auto_microbatch(unroll='auto') picks one."
+    )
   kwargs = dict(has_aux=has_aux, weight_fn=weight_fn, compute_dtype=compute_dtype, donate=donate)
+  kwargs["unroll"] = unroll
   return compiled_bytes(_memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, **kwargs))
 
 
@@ -88,8 +97,9 @@ def auto_microbatch(
   compute_dtype: Any = None,
   accum_dtype: Any = jnp.float32,
   donate: bool = False,
+  unroll: int | str = 1,
   return_estimates: bool = False,
-) -> int | tuple[int, dict[int, int]]:
+) -> Any:
   """The fewest micro-batches ``k`` (largest micro-batch) whose fused step fits a budget.
 
   The first divisor ``k`` of the batch size ``B``, in increasing order, whose
@@ -102,10 +112,14 @@ def auto_microbatch(
     tx: the inner optimizer you train with (not wrapped in :func:`accumulate`): its state counts.
     memory_budget_bytes: the bytes the step may use; by default the first device's
       ``memory_stats()["bytes_limit"]`` (GPU, TPU), required where there is none (CPU).
+    unroll: an int, the steps' (:func:`train_step`); or ``"auto"``: for the ``k`` found (at
+      unroll 1), also the largest unroll of 2, 4, ..., ``k`` within the budget.
     return_estimates: also return the bytes of every ``k`` compiled.
 
   Returns:
-    ``k``, a divisor of ``B``; with ``return_estimates``, ``(k, {k: bytes})`` for each ``k`` tried.
+    ``k``, a divisor of ``B`` (``(k, unroll)`` with ``unroll="auto"``); with
+    ``return_estimates``, ``(that, {k: bytes})`` for each ``k`` tried (``{(k, unroll): bytes}``
+    with ``unroll="auto"``).
 
   Raises:
     ValueError: with no budget where the device reports no limit, a budget ``<= 0``, a malformed
@@ -126,12 +140,22 @@ def auto_microbatch(
   check_budget(budget, "auto_microbatch")
   batch_size = check_batch(batch, 1)
   kwargs = dict(has_aux=has_aux, weight_fn=weight_fn, compute_dtype=compute_dtype, donate=donate)
-  estimates: dict[int, int] = {}
+  auto = check_unroll(unroll, "auto_microbatch") == "auto"
+  estimates: dict[Any, int] = {}
+
+  def fits(k: int, u: int) -> bool:
+    nonlocal analysis
+    analysis = _memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, unroll=u, **kwargs)
+    estimates[(k, u) if auto else k] = compiled_bytes(analysis)
+    return compiled_bytes(analysis) <= budget
+
+  analysis = None
   for k in (d for d in range(1, batch_size + 1) if batch_size % d == 0):
-    analysis = _memory_analysis(loss_fn, params, batch, k, tx, accum_dtype, **kwargs)
-    estimates[k] = compiled_bytes(analysis)
-    if estimates[k] <= budget:
-      return (k, estimates) if return_estimates else k
+    if fits(k, 1 if auto else unroll):
+      unrolls = sorted({2**i for i in range(1, k.bit_length()) if 2**i <= k} | {k} - {1})
+      chosen = (k, next((u for u in reversed(unrolls) if fits(k, u)), 1)) if auto else k
+      return (chosen, estimates) if return_estimates else chosen
+  estimates = {key[0] if auto else key: b for key, b in estimates.items()}
   raise ValueError(
     f"Even one example per micro-batch (k = B = {batch_size}) needs {estimates[batch_size]}"
     f" bytes (temp {analysis.temp_size_in_bytes}, arguments {analysis.argument_size_in_bytes},"

@@ -209,6 +209,7 @@ def linen_train_step(
   aux_reduce: Any = None,
   window_stats: Callable[..., Any] | None = None,
   window_stats_reduce: Any = None,
+  unroll: int | str = 1,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
@@ -226,7 +227,7 @@ def linen_train_step(
     train_kwargs: keyword arguments of every ``module.apply``, e.g. ``{"train": True}``.
     rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
     donate: write over the old state (off: the old ``TrainState``'s variables may still be read).
-    has_aux, weight_fn, jit, compute_dtype, grads_in_place, aux_reduce: as in :func:`train_step`.
+    has_aux, weight_fn, jit, compute_dtype, grads_in_place, aux_reduce, unroll: as in :func:`train_step`.
     window_stats_reduce, mesh, data_axis, param_specs, gather_params, memory_budget_bytes: likewise.
 
   Returns:
@@ -256,7 +257,7 @@ def linen_train_step(
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
     grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce,
+    window_stats_reduce=window_stats_reduce, unroll=unroll,
   )  # fmt: skip
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
   return gathered(lambda o, j: _linen_step(model, o, donate, j), opts, jit)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 
 from gradaccum_jax._checks import check_int
-from gradaccum_jax._microbatch import CARRIED_BECAUSE, CARRIED_SCOPE, IN_PLACE_SCOPE
+from gradaccum_jax._microbatch import CARRIED_BECAUSE, CARRIED_SCOPE, IN_PLACE_SCOPE, UNROLL_SCOPE
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -29,6 +29,7 @@ _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s(" + "|".join(KINDS) + r"
 _WHILE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\swhile\(")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CARRIED = re.compile(CARRIED_SCOPE + r"(\w+)")
+_UNROLL = re.compile(UNROLL_SCOPE + r"(\d+)")
 _ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype, dims)
 
 
@@ -102,6 +103,8 @@ class StepReport:
       (``grads_in_place``; docs/models.md, "Stacked layers").
     carried_because: for a ``ga`` step whose gradients are carried, why (the JAX version, an
       option or unit that needs each micro-batch's gradient, a dtype); else None.
+    unroll: for a ``ga`` step, the micro-batches per trip of its loop (``unroll=``; 1 rolled,
+      as a short window's loop runs); None for another program.
   """
 
   collectives: tuple[Collective, ...]
@@ -112,6 +115,7 @@ class StepReport:
   alias_bytes: int | None
   grads_in_place: bool = False
   carried_because: str | None = None
+  unroll: int | None = None
 
   @classmethod
   def from_compiled(cls, compiled: Any) -> StepReport:
@@ -134,7 +138,9 @@ class StepReport:
     sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
     in_place = IN_PLACE_SCOPE in text
     why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
-    return cls(tuple(found), tuple(whiles), *sizes, in_place, why)
+    unrolled = _UNROLL.search(text)
+    unroll = int(unrolled[1]) if unrolled else (1 if in_place or CARRIED_SCOPE in text else None)
+    return cls(tuple(found), tuple(whiles), *sizes, in_place, why, unroll)
 
   def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -221,6 +227,7 @@ class StepReport:
       f" {self.peak_bytes} bytes per device ({self._parts()}), gradients"
       f" {'added in place' if self.grads_in_place else 'carried'}"
       f"{f' ({self.carried_because})' if self.carried_because else ''}"
+      f"{f', loop unrolled {self.unroll}' if self.unroll and self.unroll > 1 else ''}"
     )
     counts = (self.in_loop, self.in_loop_bytes, self.after_loop, self.after_loop_bytes)
     kinds = [kind for kind in KINDS if kind in counts[0] or kind in counts[2]]

@@ -1,5 +1,6 @@
 """Memory policy: a compiled program's bytes per device, the device's budget, and
-``gather_params="auto"``, which compiles both gather policies and runs the one that fits."""
+``gather_params="auto"`` and ``unroll="auto"``, which compile each candidate and run the one
+that fits."""
 
 from __future__ import annotations
 
@@ -42,15 +43,39 @@ def device_memory_budget(device: Any, needs: str) -> int:
   return int(stats["bytes_limit"])
 
 
-class AutoGatherStep:
-  """A jitted step with ``gather_params="auto"``: per signature of its arguments (shapes, dtypes,
-  shardings) both policies compile once; ``"once"`` runs if its compiled memory fits the budget,
-  else ``"per_microbatch"``. ``chosen_gather_params(*args)`` tells which, and
-  ``gather_params_bytes(*args)`` the bytes of each (:func:`compiled_bytes`), running nothing."""
+# unroll="auto" without memory_budget_bytes: the largest unroll whose compiled peak is at most
+# this fraction above unroll 1's.
+UNROLL_MARGIN = 0.10
 
-  def __init__(self, steps: dict[str, Any], budget: int):
-    self._steps, self.budget = steps, budget
-    self._chosen: dict[Any, tuple[str, dict[str, int], Any]] = {}
+
+class AutoStep:
+  """A jitted step with ``gather_params="auto"`` or ``unroll="auto"``: per signature of its
+  arguments (shapes, dtypes, shardings) every candidate compiles once: each gather policy
+  (``"once"`` preferred) and each unroll (1, 2, 4, ... up to ``k``, the largest preferred); the
+  first in that order whose compiled bytes (:func:`compiled_bytes`) fit the budget runs, else
+  the last. Without ``memory_budget_bytes``, ``unroll="auto"``'s budget is unroll 1's bytes
+  plus :data:`UNROLL_MARGIN`. ``chosen_gather_params(*args)``, ``chosen_unroll(*args)``,
+  ``gather_params_bytes(*args)`` and ``unroll_bytes(*args)`` tell which and why, running
+  nothing."""
+
+  def __init__(self, build: Callable[[Any, int], Any], gathers: tuple, unroll: Any, budget: Any):
+    self._build, self._gathers, self._unroll, self.budget = build, gathers, unroll, budget
+    self._steps: dict[tuple, Any] = {}
+    self._chosen: dict[Any, tuple[tuple, dict[tuple, int], Any]] = {}
+
+  def _step(self, key: tuple) -> Any:
+    if key not in self._steps:
+      self._steps[key] = self._build(*key)
+    return self._steps[key]
+
+  def _candidates(self, args: tuple[Any, ...]) -> list[tuple]:
+    """``(gather, unroll)`` in the order of preference."""
+    if self._unroll != "auto":
+      unrolls = [self._unroll]
+    else:
+      k = self._step((self._gathers[0], 1)).num_microbatches(args)
+      unrolls = sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}, reverse=True)
+    return [(g, u) for g in self._gathers for u in unrolls]
 
   def _choose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict]:
     num_real = kwargs.get("num_real_microbatches")
@@ -60,28 +85,45 @@ class AutoGatherStep:
     avals = [(jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves]
     key = treedef, tuple(avals)
     if key not in self._chosen:
-      programs = {g: step.lower(*args, **kwargs).compile() for g, step in self._steps.items()}
-      what = "gather_params='auto' cannot compare the policies; pass 'once' or 'per_microbatch'"
-      sizes = {g: compiled_bytes(memory_analysis(c, what)) for g, c in programs.items()}
-      chosen = "once" if sizes["once"] <= self.budget else "per_microbatch"
+      candidates = self._candidates(args)
+      programs = {c: self._step(c).lower(*args, **kwargs).compile() for c in candidates}
+      what = "'auto' cannot compare the compiled candidates; pass gather_params and unroll"
+      sizes = {c: compiled_bytes(memory_analysis(c_, what)) for c, c_ in programs.items()}
+      budget = self.budget
+      if budget is None:  # unroll="auto" alone: a margin over unroll 1
+        budget = int(sizes[candidates[-1]] * (1 + UNROLL_MARGIN))
+      chosen = next((c for c in candidates if sizes[c] <= budget), candidates[-1])
       self._chosen[key] = chosen, sizes, programs[chosen]
     return self._chosen[key], kwargs
 
   def gather_params_bytes(self, *args: Any, **kwargs: Any) -> dict[str, int]:
-    """``{"once": bytes, "per_microbatch": bytes}`` per device for these arguments."""
-    return self._choose(args, kwargs)[0][1]
+    """``{"once": bytes, "per_microbatch": bytes}`` per device for these arguments (each at the
+    smallest unroll tried)."""
+    sizes = self._choose(args, kwargs)[0][1]
+    least = min(u for _, u in sizes)
+    return {g: b for (g, u), b in sizes.items() if u == least}
 
   def chosen_gather_params(self, *args: Any, **kwargs: Any) -> str:
-    """``"once"`` if its compiled memory fits the budget, else ``"per_microbatch"``."""
-    return self._choose(args, kwargs)[0][0]
+    """The gather policy that runs: ``"once"`` if a candidate of it fits, else
+    ``"per_microbatch"``."""
+    return self._choose(args, kwargs)[0][0][0]
+
+  def unroll_bytes(self, *args: Any, **kwargs: Any) -> dict[int, int]:
+    """``{unroll: bytes}`` per device for these arguments, with the chosen gather policy."""
+    (gather, _), sizes, _ = self._choose(args, kwargs)[0]
+    return {u: b for (g, u), b in sizes.items() if g == gather}
+
+  def chosen_unroll(self, *args: Any, **kwargs: Any) -> int:
+    """The unroll that runs: the largest that fits the budget (else the smallest)."""
+    return self._choose(args, kwargs)[0][0][1]
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
-    """The chosen policy's ``lower`` (for ``ga.inspect_step`` and compiled memory)."""
-    return self._steps[self.chosen_gather_params(*args, **kwargs)].lower(*args, **kwargs)
+    """The chosen candidate's ``lower`` (for ``ga.inspect_step`` and compiled memory)."""
+    return self._step(self._choose(args, kwargs)[0][0]).lower(*args, **kwargs)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     (chosen, _, program), lowered_kwargs = self._choose(args, kwargs)
-    step = self._steps[chosen]
+    step = self._step(chosen)
     if not getattr(step, "calls_compiled", False):  # nnx.jit splits its objects in Python
       return step(*args, **kwargs)
     step.check(args, kwargs)
@@ -89,12 +131,17 @@ class AutoGatherStep:
 
 
 def gathered(build: Callable[[Any, bool], Any], opts: Any, jit: bool) -> Any:
-  """Any front end's step: ``build(opts, jit)``, or with ``gather_params="auto"`` an
-  :class:`AutoGatherStep` over both policies' jitted steps (``jit=False`` is refused: "auto"
-  compiles)."""
-  if opts.parallel is None or opts.parallel.gather != "auto":
+  """Any front end's step: ``build(opts, jit)``, or with ``gather_params="auto"`` or
+  ``unroll="auto"`` an :class:`AutoStep` over the candidates' jitted steps (``jit=False`` is
+  refused: "auto" compiles)."""
+  gather = None if opts.parallel is None else opts.parallel.gather
+  if gather != "auto" and opts.unroll != "auto":
     return build(opts, jit)
   if not jit:
-    raise ValueError(f"{opts.where}: gather_params='auto' compiles the step, so it needs jit=True.")
-  steps = {g: build(opts.with_gather(g), True) for g in ("once", "per_microbatch")}
-  return AutoGatherStep(steps, opts.parallel.budget)
+    raise ValueError(
+      f"{opts.where}: gather_params='auto' and unroll='auto' compile the step, so they need"
+      " jit=True."
+    )
+  gathers = ("once", "per_microbatch") if gather == "auto" else (gather,)
+  budget = opts.parallel.budget if gather == "auto" else opts.budget
+  return AutoStep(lambda g, u: build(opts.chosen(g, u), True), gathers, opts.unroll, budget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -37,6 +38,7 @@ from gradaccum_jax._sharding import over_mesh, shapes_refusing_nested_shard_map,
 from gradaccum_jax._terms import Terms, names_of, refused, split
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
+UNROLL_SCOPE = "ga_unroll_"  # + the micro-batches per trip of an unrolled loop (ga.inspect_step)
 
 # Units beyond the built-in ones, each made by ``make(mg)`` (a MicrobatchedGrad): its part
 # follows the model state's in every window's ``parts`` (docs/architecture.md, "Adding a unit").
@@ -448,8 +450,10 @@ class MicrobatchedGrad:
       m = one(i, model_unit.start(c[2]))
       return tuple(unit.update(part, m) for unit, part in zip(units, c, strict=True)), None
 
-    if num_real is None:  # a fixed trip count: a scan
-      c, _ = jax.lax.scan(body, init, jnp.arange(k))
+    if num_real is None:  # a fixed trip count: a scan, ``unroll`` micro-batches per trip
+      unroll = min(opts.unroll, k)
+      with jax.named_scope(f"{UNROLL_SCOPE}{unroll}") if unroll > 1 else contextlib.nullcontext():
+        c, _ = jax.lax.scan(body, init, jnp.arange(k), unroll=unroll)
     else:  # only the first num_real micro-batches run; the others are not computed
       c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
     if refs is not None:
@@ -481,6 +485,7 @@ def value_and_grad(
   aux_reduce: Any = None,
   window_stats: Callable[..., Any] | None = None,
   window_stats_reduce: Any = None,
+  unroll: int | str = 1,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
 
@@ -501,8 +506,8 @@ def value_and_grad(
     batchnorm, batchnorm_momentum: with ``has_state``, how BatchNorm statistics update:
       ``"sequential"``, ``"per_window"`` or ``"frozen"`` (docs/models.md).
     compute_dtype: float params are cast to it (e.g. ``jnp.bfloat16``) before ``loss_fn``.
-    mesh, data_axis, param_specs, gather_params, grads_in_place, aux_reduce: as in
-      :func:`train_step` (call under jit).
+    mesh, data_axis, param_specs, gather_params, grads_in_place, aux_reduce, unroll: as in
+      :func:`train_step` (call under jit; ``unroll`` an int).
 
   Returns:
     ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss, grads)``
@@ -525,17 +530,21 @@ def value_and_grad(
   k = check_num_microbatches(num_microbatches, allow_schedule=False)
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
-  if gather_params == "auto":
-    raise ValueError(
-      "value_and_grad: gather_params='auto' compiles both policies, which needs the jitted"
-      " step of ga.train_step; pass 'once' or 'per_microbatch'."
-    )
+  for name, value, instead in (
+    ("gather_params", gather_params, "'once' or 'per_microbatch'"),
+    ("unroll", unroll, "an int"),
+  ):
+    if isinstance(value, str) and value == "auto":
+      raise ValueError(
+        f"value_and_grad: {name}='auto' compiles each candidate, which needs the jitted step of"
+        f" ga.train_step; pass {instead}."
+      )
   opts = make_options(
     "value_and_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
     batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce,
+    window_stats_reduce=window_stats_reduce, unroll=unroll,
   )  # fmt: skip
   mg = MicrobatchedGrad(opts, k)
 

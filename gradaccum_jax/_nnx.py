@@ -149,6 +149,7 @@ def nnx_train_step(
   aux_reduce: Any = None,
   window_stats: Callable[..., Any] | None = None,
   window_stats_reduce: Any = None,
+  unroll: int | str = 1,
 ) -> Callable[..., dict[str, Any]]:
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -164,7 +165,7 @@ def nnx_train_step(
       writes them back into ``model`` and ``optimizer``; an array also held elsewhere, as
       ``nnx.clone`` shares them, is deleted: copy it first, or pass ``donate=False``).
     jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
-    has_aux, weight_fn, compute_dtype, grads_in_place, aux_reduce: as in :func:`train_step`.
+    has_aux, weight_fn, compute_dtype, grads_in_place, aux_reduce, unroll: as in :func:`train_step`.
     window_stats, window_stats_reduce: as in :func:`train_step`, ``stats_fn(model, microbatch)``.
     mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
 
@@ -199,6 +200,6 @@ def nnx_train_step(
     param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
     gather_params=gather_params, memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
     grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce,
+    window_stats_reduce=window_stats_reduce, unroll=unroll,
   )  # fmt: skip
   return gathered(lambda o, j: _nnx_step(nnx, o, donate, j), opts, jit)

@@ -10,7 +10,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._checks import check_aux_reduce, check_bool, check_float_dtype, check_function
+from gradaccum_jax._checks import (
+  check_aux_reduce,
+  check_bool,
+  check_budget,
+  check_float_dtype,
+  check_function,
+  check_int,
+)
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
 from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
@@ -129,6 +136,8 @@ class Options:
   window_stats: WindowStats | None = None  # statistics of the window the loss reads, else None
   stats: Any = None  # their value in a window (_window_stats.WindowStats.window)
   privacy: Any = None  # DP (_privacy.Privacy): each example's gradient clipped, else None
+  unroll: int | str = 1  # micro-batches per trip of the scan, or "auto" (_memory.gathered)
+  budget: int | None = None  # memory_budget_bytes of unroll="auto" (None: a margin over 1)
 
   @property
   def has_state(self) -> bool:
@@ -160,9 +169,13 @@ class Options:
     ``u_i`` (``terms``: their window totals, ``_terms.Terms.make``)."""
     return dataclasses.replace(self, terms=terms, weighting=Weighting(terms.weight))
 
-  def with_gather(self, gather: str) -> Options:
-    """These options with the params gathered ``gather`` ("once" or "per_microbatch")."""
-    return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, gather=gather))
+  def chosen(self, gather: str | None, unroll: int) -> Options:
+    """These options with one gather policy ("once" or "per_microbatch"; None without a mesh)
+    and one unroll, as ``"auto"`` compiles each (``_memory.gathered``)."""
+    parallel = (
+      self.parallel if gather is None else dataclasses.replace(self.parallel, gather=gather)
+    )
+    return dataclasses.replace(self, parallel=parallel, unroll=unroll)
 
 
 def make_options(
@@ -185,6 +198,7 @@ def make_options(
   aux_reduce: Any = None,
   window_stats: Callable[..., Any] | None = None,
   window_stats_reduce: Any = None,
+  unroll: int | str = 1,
 ) -> Options:
   """Validates the options of ``where`` (a public function's name) and builds them."""
   check_function(loss_fn, f"{where}: loss_fn must be a function")
@@ -205,17 +219,43 @@ def make_options(
       f"{where}: window_stats_reduce={window_stats_reduce!r} is given without window_stats="
       " (the function whose values it reduces)."
     )
+  unroll = check_unroll(unroll, where)
+  if memory_budget_bytes is not None:
+    if gather_params != "auto" and unroll != "auto":
+      raise ValueError(
+        f"{where}: memory_budget_bytes= is the budget of gather_params='auto' and"
+        f" unroll='auto'; got gather_params={gather_params!r}, unroll={unroll!r}."
+      )
+    check_budget(memory_budget_bytes, where)
   return Options(
     loss=LossSpec(loss_fn, bool(has_aux), bool(has_state), stats is not None),
+    unroll=unroll,
+    budget=memory_budget_bytes if unroll == "auto" else None,
     window_stats=stats,
     weighting=Weighting(weight_fn),
     batchnorm=batchnorm,
     batchnorm_momentum=None if batchnorm_momentum is None else float(batchnorm_momentum),
     compute_dtype=compute_dtype,
     parallel=make_data_parallel(
-      mesh, data_axis, param_specs, where, gather_params, memory_budget_bytes
+      mesh,
+      data_axis,
+      param_specs,
+      where,
+      gather_params,
+      memory_budget_bytes if gather_params == "auto" else None,
     ),
     where=where,
     grads_in_place=check_bool(grads_in_place, f"{where}: grads_in_place"),
     aux_reduce=AuxReducers(aux_reduce, where),
   )
+
+
+def check_unroll(unroll: Any, where: str) -> int | str:
+  """``unroll``: a positive int (micro-batches per trip of the window's loop) or ``"auto"``."""
+  if unroll == "auto":
+    return unroll
+  must = f"{where}: unroll must be a positive int (micro-batches per trip of the loop) or 'auto'"
+  n = check_int(unroll, f"{must}, got {unroll!r}.")
+  if n < 1:
+    raise ValueError(f"{must}, got {n}.")
+  return n

@@ -64,13 +64,6 @@ def make_data_parallel(
 ) -> DataParallel | None:
   """Checks ``mesh``/``data_axis``/``param_specs``/``gather_params``; None without a mesh."""
   check_choice(gather_params, "gather_params", GATHER_POLICIES, where)
-  if memory_budget_bytes is not None:
-    if gather_params != "auto":
-      raise ValueError(
-        f"{where}: memory_budget_bytes= is the budget of gather_params='auto'; got"
-        f" gather_params={gather_params!r}."
-      )
-    check_budget(memory_budget_bytes, where)
   if mesh is None:
     given = [
       n for n, v in (("data_axis", data_axis), ("param_specs", param_specs)) if v is not None

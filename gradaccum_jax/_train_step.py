@@ -55,6 +55,7 @@ def train_step(
   aux_reduce: Any = None,
   window_stats: Callable[..., Any] | None = None,
   window_stats_reduce: Any = None,
+  unroll: int | str = 1,
 ) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
   r"""A jitted step that accumulates a whole window and updates the params once.
 
@@ -72,11 +73,14 @@ def train_step(
     donate, jit: donate ``params`` and ``state``; return the step jitted (default).
     batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
-      ``mesh``'s ``data_axis``, FSDP params and how they are gathered.
+      ``mesh``'s ``data_axis``, FSDP params and how they are gathered (the budget: "auto"'s).
     aux_reduce: each aux leaf's window reducer (docs/usage.md): ``"mean"`` (weighted; floats'),
       ``"sum"`` (integers'), ``"max"``, ``"min"`` or ``"last"``; a name or an aux pytree prefix.
     grads_in_place: where JAX can (0.11+), the backward pass adds into the accumulator
       (docs/models.md, "Stacked layers"); False: each gradient summed in the scan's carry.
+    unroll: micro-batches per trip of the window's loop (1: rolled); ``"auto"``: the largest of
+      1, 2, 4, ..., ``k`` whose compiled peak fits ``memory_budget_bytes`` (without one, 10 %
+      over unroll 1's), each compiled once (docs/benchmarks.md, "Unrolling the loop").
 
   Returns:
     ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,
@@ -104,7 +108,7 @@ def train_step(
     mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
     memory_budget_bytes=memory_budget_bytes, grads_in_place=grads_in_place,
     aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce,
+    window_stats_reduce=window_stats_reduce, unroll=unroll,
   )  # fmt: skip
 
   def build(o: Options, jit: bool = True):
@@ -142,6 +146,10 @@ class JitStep:
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     kwargs["num_real_microbatches"] = self.check(args, kwargs)
     return self._jitted(*args, **kwargs)
+
+  def num_microbatches(self, args: tuple[Any, ...]) -> int:
+    """``k`` of the transformation a call with ``args`` passes."""
+    return self._k(args)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._jitted, name)

@@ -65,6 +65,7 @@ class Cell:
   big: bool = False  # the weights times BIG
   in_place: bool = True  # grads_in_place
   terms: bool = False  # the loss as two terms of one weight (a quarter and three quarters)
+  unroll: int = 1  # micro-batches per trip of the fused steps' loop
 
   @property
   def compute_dtype(self):
@@ -92,6 +93,7 @@ class Cell:
     if self.compute is not None:
       parts += [self.compute, *["big"] * self.big, "in_place" if self.in_place else "carried"]
     parts += ["terms"] * self.terms
+    parts += [f"unroll{self.unroll}"] * (self.unroll != 1)
     return "-".join(parts)
 
 
@@ -283,7 +285,10 @@ def make_tx(cell):
 
 def precision_kwargs(cell):
   """The compute dtype and in-place choice of the second matrix's cells (none in the first);
-  ``ga.micro_step`` takes no compute dtype: its loss casts the params itself."""
+  ``ga.micro_step`` takes no compute dtype: its loss casts the params itself. An unroll cell's
+  unroll (a fused step's)."""
+  if cell.unroll != 1:
+    return {"unroll": cell.unroll}
   if cell.compute is None:
     return {}
   if cell.entry == "micro_step":
@@ -574,7 +579,22 @@ def cells():
             marks = [] if fast_cell(entry, dtype, mesh, weighted, state) else [pytest.mark.slow]
             cell = Cell(entry, dtype, mesh, weighted, state)
             out.append(pytest.param(cell, id=str(cell), marks=marks))
-  return out + term_cells()
+  return out + term_cells() + unroll_cells()
+
+
+def unroll_cells():
+  """The fused entry points with their loop unrolled (2 micro-batches per trip, and all of
+  them), with and without a mesh and model state, float32 and a bfloat16 running mean; fast:
+  ``train_step`` float32 without a mesh."""
+  out = []
+  for entry in ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx"):
+    for mesh in (None, "replicated", "fsdp"):
+      for dtype, weighted, state in (("float32", False, True), ("bfloat16", True, False)):
+        for unroll in (2, K):
+          cell = Cell(entry, dtype, mesh, weighted, state, unroll=unroll)
+          fast = entry == "train_step" and mesh is None and dtype == "float32"
+          out.append(pytest.param(cell, id=str(cell), marks=[] if fast else [pytest.mark.slow]))
+  return out
 
 
 TERM_ENTRIES = ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx")
