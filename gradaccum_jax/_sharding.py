@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._checks import check_batch, check_budget, check_choice, is_inexact
+from gradaccum_jax._checks import check_batch, check_choice, is_inexact
 from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import (
   COLLECTIVES,
