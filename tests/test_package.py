@@ -25,6 +25,8 @@ def test_public_names_are_reexported():
       "auto_microbatch",
       "check_equivalence",
       "check_step",
+      "clipped_grad",
+      "dp_accumulate",
       "flush",
       "has_updated",
       "inspect_step",
