@@ -18,6 +18,11 @@ records one of its runs), in one run per configuration, medians of ``--rounds`` 
   ga_undonated  the same with donate=False (new buffers for params and state every window)
   ga_stream  gradaccum_jax.accumulate, k jitted micro-steps (grad + tx.update) from Python
   ga_micro   gradaccum_jax.micro_step, k jitted calls from Python (no mesh)
+  min_u2, min_uk  min_scan with lax.scan(..., unroll=2) and unroll=k (fully unrolled)
+  ga_u2, ga_uk    ga.train_step(..., unroll=2) and unroll=k
+
+Each fused program's compiled temp bytes (``memory_analysis()``) are recorded beside its time:
+unrolling trades memory (each trip holds its micro-batches' activations) for fewer trips.
 
 MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
 and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, plain, min_scan,
@@ -58,8 +63,9 @@ import gradaccum_jax as ga
 SIZES = (784, 512, 512, 10)
 VARIANTS = (
   "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "ga", "ga_undonated",
-  "ga_stream", "ga_micro",
+  "ga_stream", "ga_micro", "min_u2", "min_uk", "ga_u2", "ga_uk",
 )  # fmt: skip
+UNROLLED = ("min_scan", "min_u2", "min_uk", "ga", "ga_u2", "ga_uk")
 
 
 def init(key, sizes):
@@ -115,7 +121,7 @@ def variants(opt_name, k, b, sizes):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  def grad_sum(p, bt, with_loss=False):
+  def grad_sum(p, bt, with_loss=False, unroll=1):
     """The minimal scan: the strided micro-batches' gradients, summed (and their losses)."""
 
     def body(c, i):
@@ -126,7 +132,7 @@ def variants(opt_name, k, b, sizes):
       return (jax.tree.map(jnp.add, c[0], g), c[1] + loss), None
 
     init = jax.tree.map(jnp.zeros_like, p)
-    return jax.lax.scan(body, (init, 0.0) if with_loss else init, jnp.arange(k))[0]
+    return jax.lax.scan(body, (init, 0.0) if with_loss else init, jnp.arange(k), unroll=unroll)[0]
 
   def guarded(p, s, mean):
     """The update if the mean's squared norm is finite, in a loop of 0 or 1 trips (in place).
@@ -141,10 +147,15 @@ def variants(opt_name, k, b, sizes):
 
     return jax.lax.while_loop(lambda c: c[0], update, (finite, (p, s)))[1]
 
-  @jit
-  def min_scan(p, s, bt):
-    u, s = opt.update(jax.tree.map(lambda a: a / k, grad_sum(p, bt)), s, p)
-    return optax.apply_updates(p, u), s
+  def min_unrolled(unroll):
+    @jit
+    def min_scan(p, s, bt):
+      u, s = opt.update(jax.tree.map(lambda a: a / k, grad_sum(p, bt, unroll=unroll)), s, p)
+      return optax.apply_updates(p, u), s
+
+    return min_scan
+
+  min_scan, min_u2, min_uk = min_unrolled(1), min_unrolled(2), min_unrolled(k)
 
   @jit
   def min_guard(p, s, bt):
@@ -157,6 +168,16 @@ def variants(opt_name, k, b, sizes):
 
   ga_step = ga.train_step(loss_fn, tx, donate=True)
   ga_undonated = ga.train_step(loss_fn, tx, donate=False)
+  ga_u2 = ga.train_step(loss_fn, tx, donate=True, unroll=2)
+  ga_uk = ga.train_step(loss_fn, tx, donate=True, unroll=k)
+  programs = {"min_scan": min_scan, "min_u2": min_u2, "min_uk": min_uk, "ga": ga_step,
+              "ga_u2": ga_u2, "ga_uk": ga_uk}  # fmt: skip
+  p0 = init(jax.random.key(0), sizes)
+  temp = {
+    n: int(f.lower(p0, (tx if n.startswith("ga") else opt).init(p0), batch).compile()
+           .memory_analysis().temp_size_in_bytes)
+    for n, f in programs.items()
+  }  # fmt: skip
 
   @jit
   def ga_micro(p, s, mb):
@@ -176,13 +197,17 @@ def variants(opt_name, k, b, sizes):
     "ga_undonated": (tx, lambda p, s: ga_undonated(p, s, batch)[:2]),
     "ga_stream": (tx, loop(ga_micro)),
     "ga_micro": (micro, loop(lambda p, s, mb: micro(p, s, mb)[:2])),
-  }
+    "min_u2": (opt, lambda p, s: min_u2(p, s, batch)),
+    "min_uk": (opt, lambda p, s: min_uk(p, s, batch)),
+    "ga_u2": (tx, lambda p, s: ga_u2(p, s, batch)[:2]),
+    "ga_uk": (tx, lambda p, s: ga_uk(p, s, batch)[:2]),
+  }, temp
 
 
 def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0):
   """Times every variant; a sample is ``reps`` windows, more when a minimal-scan window is
   short (at least ``min_sample_s`` of it per sample), so that the host's jitter averages out."""
-  runs = variants(opt_name, k, b, sizes)
+  runs, temp = variants(opt_name, k, b, sizes)
   p0 = init(jax.random.key(0), sizes)
 
   def fresh(o):
@@ -242,6 +267,11 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
     "micro_vs_ms_loop": statistics.median(
       [g / m for g, m in zip(samples["ga_micro"], samples["ms_loop"], strict=True)]
     ),
+    **{
+      f"{g}_vs_{m}": statistics.median([x / y for x, y in zip(samples[g], samples[m], strict=True)])
+      for g, m in (("ga_u2", "min_u2"), ("ga_uk", "min_uk"), ("ga_u2", "min_scan"), ("ga_uk", "min_scan"))
+    },
+    "temp_bytes": temp,
     "max_abs_diff_to_plain": err,
     "single": single,
   }  # fmt: skip
@@ -300,6 +330,22 @@ def table(rows):
       + f" | {r['ga_vs_microbat']:.3f}"
       + f" | {r['stream_vs_ms_loop']:.3f}"
       + f" | {r['micro_vs_ms_loop']:.3f} |"
+    )  # fmt: skip
+  return "\n".join(lines)
+
+
+def unroll_table(rows):
+  """Time (ratio to plain) and compiled temp memory of the rolled and unrolled programs."""
+  head = (
+    "| opt | b | " + " | ".join(f"{n}: x plain, temp MiB" for n in UNROLLED)
+    + " | ga / min_scan | ga_u2 / min_u2 | ga_uk / min_uk |"
+  )  # fmt: skip
+  lines = [head, "|" + "---|" * (len(UNROLLED) + 5)]
+  for r in rows:
+    cells = [f"{r['ratio'][n]:.2f}, {r['temp_bytes'][n] / 2**20:.2f}" for n in UNROLLED]
+    lines.append(
+      f"| {r['opt']} | {r['b']} | " + " | ".join(cells) + f" | {r['ga_vs_min_scan']:.3f}"
+      + f" | {r['ga_u2_vs_min_u2']:.3f} | {r['ga_uk_vs_min_uk']:.3f} |"
     )  # fmt: skip
   return "\n".join(lines)
 
@@ -391,6 +437,9 @@ def main(argv=None):
     f" every variant on at least {reps} windows, and at least {args.min_sample_s} s of minimal"
     " scan windows (reps per row in the JSON); ratio to plain (min-max over rounds).\n\n"
     + table(rows)
+    + "\n\nUnrolled loops (`unroll=2` and `unroll=k`): time as a ratio to plain, compiled temp"
+    " memory (MiB), and ga's ratio to the minimal scan unrolled alike.\n\n"
+    + unroll_table(rows)
     + "\n"
   )
   if all(r["single"] for r in rows):

@@ -236,11 +236,11 @@ def _inner_update(inner, mean_fn, mode, params, inner_state, extra_args) -> Call
     mean = mean_fn() if made is None else made
     return inner_update(inner, mean, inner_state, params, extra_args)
 
-  # Closed in place ("loop"), an update with matrix products (muon's Newton-Schulz iterations)
-  # reads a mean made once, before its loop: fused into its elementwise uses instead, muon's
-  # window took 1.04-1.14x as long on XLA:CPU. An elementwise update (adam, sgd) reads it fused
-  # in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
-  if mode == "loop" and has_matrix_products(update, params, inner_state):
+  # Closed in place ("in_place"), an update with matrix products (muon's Newton-Schulz
+  # iterations) reads a mean made once, before its branch: fused into its elementwise uses
+  # instead, muon's window took 1.04-1.14x as long on XLA:CPU. An elementwise update (adam, sgd)
+  # reads it fused in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
+  if mode == "in_place" and has_matrix_products(update, params, inner_state):
     made = jax.lax.optimization_barrier(mean_fn())
   return update
 
@@ -416,15 +416,16 @@ def _close_if(accumulator: Accumulator, closes, state, params, grad_like, extra_
   return updates, state._replace(acc_grads=acc)
 
 
-def _in_loop(ok, inner, acc_grads, params, inner_state):
-  """The new params and inner state written over the donated old ones, in a loop of 0 or 1
-  trips; the accumulator's zeros written after it (so over the sums, not over a copy)."""
+def _in_place(ok, inner, acc_grads, params, inner_state):
+  """The new params and inner state written over the donated old ones (:func:`apply_if`); the
+  accumulator's zeros a broadcast of its flag, so they are written after the update has read the
+  sums, in their buffer."""
 
   def run(carry):
     updates, state = inner(*carry)
     return _applied(carry[0], updates), state
 
-  done, out = loop_once_if(ok, run, (params, inner_state), with_done=True)
+  done, out = apply_if(ok, run, (params, inner_state), with_done=True)
   cleared = jax.tree.map(lambda a: jnp.broadcast_to(done.astype(a.dtype), a.shape), acc_grads)
   return *out, cleared
 
@@ -454,11 +455,11 @@ def _in_selects(ok, inner, acc_grads, params, inner_state):
 
 
 # How a window is closed, by the caller's layout (docs/architecture.md, "Closing a window"):
-# "select" (undonated fused steps), "loop" (donated ones, in place), "cond" (streaming calls,
+# "select" (undonated fused steps), "in_place" (donated ones), "cond" (streaming calls,
 # in their lax.cond: the updates) and "cond_apply" (a donated micro_step: the params, in place).
 _CLOSERS = {
   "select": _in_selects,
-  "loop": _in_loop,
+  "in_place": _in_place,
   "cond": _in_cond,
   "cond_apply": functools.partial(_in_cond, apply=True),
 }
@@ -521,15 +522,20 @@ def zeros_like_output(fn: Any, *args: Any) -> Any:
   return jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, *args))
 
 
-def loop_once_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
-  """``fn(carry)`` if ``pred``, else ``carry``: a ``while_loop`` of 0 or 1 trips, which updates
-  its carry in place (not reverse-differentiable). ``with_done``: ``(done, result)``, ``done``
-  the predicate at the loop's exit, always False, but a select on it follows the loop."""
+def apply_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
+  """``fn(carry)`` if ``pred``, else ``carry``, in a ``lax.cond`` whose other branch passes the
+  carry through, so that donated buffers are updated in place. ``with_done``: ``(done, result)``,
+  ``done`` False from both branches (``pred`` where it is False), which XLA does not know: a
+  broadcast of it is written after the branch. A ``while_loop`` of 0 or 1 trips did the same
+  and took 1.07x as long per window on jax 0.12 (docs/benchmarks.md, "Where the time goes")."""
 
-  def body(c):
-    return jnp.zeros((), bool), with_types_of(fn(c[1]), c[1])
+  def run(c):
+    return jnp.zeros((), bool), with_types_of(fn(c), c)
 
-  out = jax.lax.while_loop(lambda c: c[0], body, (pred, carry))
+  def keep(c):
+    return pred, c  # pred is False here
+
+  out = jax.lax.cond(pred, run, keep, carry)
   return out if with_done else out[1]
 
 

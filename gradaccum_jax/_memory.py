@@ -138,9 +138,11 @@ def gathered(build: Callable[[Any, bool], Any], opts: Any, jit: bool) -> Any:
   if gather != "auto" and opts.unroll != "auto":
     return build(opts, jit)
   if not jit:
+    autos = [
+      f"{n}='auto'" for n, v in (("gather_params", gather), ("unroll", opts.unroll)) if v == "auto"
+    ]
     raise ValueError(
-      f"{opts.where}: gather_params='auto' and unroll='auto' compile the step, so they need"
-      " jit=True."
+      f"{opts.where}: {' and '.join(autos)} compiles the step, so it needs jit=True."
     )
   gathers = ("once", "per_microbatch") if gather == "auto" else (gather,)
   budget = opts.parallel.budget if gather == "auto" else opts.budget

@@ -14,7 +14,7 @@ from gradaccum_jax._accumulate import (
   Accumulate,
   AccumulateState,
   as_accumulate,
-  loop_once_if,
+  apply_if,
   window_metrics,
 )
 from gradaccum_jax._checks import (
@@ -190,7 +190,7 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
       state = unit.hold(state, unit.merge(unit.held(state), part))
     loss, aux, terms = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
-    mode = "loop" if donated else "select"
+    mode = "in_place" if donated else "select"
     closed = acc.close(
       acc_grads, weight, state, trained, trained, extra, mode=mode, norm_by_rows=dp is None
     )
@@ -220,7 +220,7 @@ def merge_open_window(
   state: AccumulateState, grads: Any, weight: jax.Array, donated: bool
 ) -> tuple[Any, Any]:
   """``(grads plus the sums of a window left open by streaming calls, the new accumulator's
-  zeros)``. ``donated``: merged in a loop of 0 or 1 trips that runs only when a
+  zeros)``. ``donated``: merged in a branch (``_accumulate.apply_if``) that runs only when a
   window is open; otherwise the accumulator holds zeros and passes through (XLA copies nothing)."""
   if not donated:
     merged = merge_gradients(state.acc_grads, state.acc_weight, grads, weight)
@@ -234,4 +234,4 @@ def merge_open_window(
     # after the merge reads it; plain zeros made XLA copy it first (tests/test_program.py).
     return merged, jax.tree.map(lambda m: jnp.where(is_open, jnp.zeros_like(m), m), merged)
 
-  return loop_once_if(is_open, merge, (grads, state.acc_grads))
+  return apply_if(is_open, merge, (grads, state.acc_grads))

@@ -648,8 +648,8 @@ def test_nnx_step_with_auto_gathering_matches_the_device_group_reference():
 def test_a_donated_fsdp_step_takes_a_state_laid_out_otherwise_than_the_params(gather):
   """On an explicit mesh the state may be laid out replicated while the params are sharded
   (``tx.init`` of host params, then placed): the inner update comes out sharded like the
-  gradients, and the donated step's loop of 0 or 1 trips keeps its carry's types (on jax 0.12
-  this was a while_loop carry-type TypeError). The update equals the big-batch step's."""
+  gradients, and the donated step's branch in place keeps its carry's types (on jax 0.12 this
+  was a while_loop carry-type TypeError). The update equals the big-batch step's."""
   mesh, k = mesh_1d(), 2
   params = init_mlp(jax.random.key(0), SIZES)
   batch = data(D * k * 2)

@@ -308,7 +308,7 @@ def test_jit_false_gives_the_step_to_trace_in_your_own_nnx_jit():
 
 @pytest.mark.slow
 def test_donated_step_voids_a_bad_window_in_place_and_matches_the_undonated_step():
-  """donate=True updates params and optimizer state in place (a loop of 0 or 1 trips): a
+  """donate=True updates params and optimizer state in place (a branch of a lax.cond): a
   window with a NaN leaves both exactly as they were, and good windows equal donate=False."""
   inner = optax.adam(1e-2)
   bad = make_batch(jax.random.key(1), B)

@@ -196,7 +196,9 @@ def test_bad_unroll_is_refused_before_any_work():
     ga.train_step(xent_loss, tx, unroll=2.0)
   with pytest.raises(ValueError, match="value_and_grad: unroll='auto' compiles each candidate"):
     ga.value_and_grad(xent_loss, K, unroll="auto")
-  with pytest.raises(ValueError, match="unroll='auto' compile the step, so they need jit=True"):
+  with pytest.raises(
+    ValueError, match="train_step: unroll='auto' compiles the step, so it needs jit=True"
+  ):
     ga.train_step(xent_loss, tx, unroll="auto", jit=False)
   with pytest.raises(
     ValueError, match="memory_budget_bytes= is the budget of gather_params='auto' and unroll='auto'"
