@@ -13,8 +13,8 @@ from gradaccum_jax._accumulate import (
   MEAN_GRADIENT,
   Accumulate,
   AccumulateState,
-  as_accumulate,
   apply_if,
+  as_accumulate,
   window_metrics,
 )
 from gradaccum_jax._checks import (
