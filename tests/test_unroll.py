@@ -32,9 +32,15 @@ def run(unroll, *, k=K, windows=2, batch=BATCH, **kw):
   return params, metrics
 
 
-@pytest.mark.parametrize("unroll", [2, 3, K, 2 * K])
-@pytest.mark.parametrize("donate", [False, True])
-@pytest.mark.parametrize("grads_in_place", [True, False])
+@pytest.mark.parametrize(
+  "unroll,donate,grads_in_place",
+  [
+    pytest.param(u, d, g, marks=[] if (u, d, g) == (2, True, True) else [pytest.mark.slow])
+    for u in (2, 3, K, 2 * K)
+    for d in (False, True)
+    for g in (True, False)
+  ],
+)
 def test_train_step_unrolled_is_the_rolled_step(unroll, donate, grads_in_place):
   """The same micro-batches summed in the same order: the rolled step's params, within 1e-6
   (XLA may fuse the unrolled body's adds differently)."""
@@ -45,6 +51,7 @@ def test_train_step_unrolled_is_the_rolled_step(unroll, donate, grads_in_place):
   assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_an_unrolled_loop_makes_fewer_trips_and_a_short_window_runs_rolled():
   step = ga.train_step(xent_loss, ga.accumulate(optax.sgd(0.1), K), unroll=4)
   tx = ga.accumulate(optax.sgd(0.1), K)
@@ -59,6 +66,7 @@ def test_an_unrolled_loop_makes_fewer_trips_and_a_short_window_runs_rolled():
     assert_trees_close(got, want[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
 def test_weights_model_state_and_a_voided_window_as_rolled(accum_dtype):
   weight = jnp.arange(64.0) % 5  # uneven weights, micro-batch 0 of weight 0 on some rows
@@ -85,6 +93,7 @@ def test_weights_model_state_and_a_voided_window_as_rolled(accum_dtype):
   np.testing.assert_allclose(outs[1][1]["mean"], outs[0][1]["mean"], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
 def test_on_a_mesh_no_collective_enters_the_unrolled_loop(specs):
   mesh = jax.make_mesh((8,), ("data",))
@@ -104,6 +113,7 @@ def test_on_a_mesh_no_collective_enters_the_unrolled_loop(specs):
   assert_trees_close(outs[0], run(1, k=16, windows=1)[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_value_and_grad_linen_and_nnx_unroll():
   import flax.linen as nn
   from flax import nnx
@@ -141,6 +151,7 @@ def peak(step, *args):
   )
 
 
+@pytest.mark.slow
 def test_auto_takes_the_largest_unroll_within_the_budget():
   """Each candidate's compiled bytes are its program's; "auto" runs the largest that fits."""
   params = init_mlp(jax.random.key(0), (64, 256, 8))
@@ -163,6 +174,7 @@ def test_auto_takes_the_largest_unroll_within_the_budget():
   assert ga.inspect_step(step, *args).unroll == want
 
 
+@pytest.mark.slow
 def test_auto_with_gather_auto_prefers_once_then_the_largest_unroll():
   mesh = jax.make_mesh((8,), ("data",))
   tx = ga.accumulate(optax.adam(1e-2), 2)
@@ -206,6 +218,7 @@ def test_bad_unroll_is_refused_before_any_work():
     ga.train_step(xent_loss, tx, memory_budget_bytes=2**30)
 
 
+@pytest.mark.slow
 def test_step_memory_and_auto_microbatch_size_the_unrolled_step():
   params = init_mlp(jax.random.key(0), (64, 256, 8))
   batch = make_batch(jax.random.key(1), 256, d_in=64, num_classes=8)
