@@ -208,17 +208,7 @@ def make_options(
   if compute_dtype is not None:
     compute_dtype = check_float_dtype(compute_dtype, "compute_dtype", where)
   check_aux_reduce(aux_reduce, bool(has_aux), reducer_names(), where)
-  stats = None
-  if window_stats is not None:
-    check_function(window_stats, f"{where}: window_stats must be a function")
-    check_aux_reduce(window_stats_reduce, True, reducer_names(), where, "window_stats_reduce")
-    reducers = AuxReducers(window_stats_reduce, where)
-    stats = WindowStats(window_stats, reducers, bool(has_state))
-  elif window_stats_reduce is not None:
-    raise ValueError(
-      f"{where}: window_stats_reduce={window_stats_reduce!r} is given without window_stats="
-      " (the function whose values it reduces)."
-    )
+  stats = _window_stats(window_stats, window_stats_reduce, bool(has_state), where)
   unroll = check_unroll(unroll, where)
   if memory_budget_bytes is not None:
     if gather_params != "auto" and unroll != "auto":
@@ -248,6 +238,21 @@ def make_options(
     grads_in_place=check_bool(grads_in_place, f"{where}: grads_in_place"),
     aux_reduce=AuxReducers(aux_reduce, where),
   )
+
+
+def _window_stats(fn: Any, reduce: Any, has_state: bool, where: str) -> WindowStats | None:
+  """``window_stats=`` and ``window_stats_reduce=`` checked, as a :class:`WindowStats` (None
+  without them)."""
+  if fn is None:
+    if reduce is not None:
+      raise ValueError(
+        f"{where}: window_stats_reduce={reduce!r} is given without window_stats= (the function"
+        " whose values it reduces)."
+      )
+    return None
+  check_function(fn, f"{where}: window_stats must be a function")
+  check_aux_reduce(reduce, True, reducer_names(), where, "window_stats_reduce")
+  return WindowStats(fn, AuxReducers(reduce, where), has_state)
 
 
 def check_unroll(unroll: Any, where: str) -> int | str:

@@ -69,18 +69,15 @@ def train_step(
     loss_fn, has_aux, has_state: as in :func:`value_and_grad`; with ``has_state`` the step
       takes and returns ``model_state`` after ``params``.
     tx: made by :func:`accumulate` with an int ``num_microbatches``.
-    weight_fn, window_stats, window_stats_reduce: as in :func:`value_and_grad` (per-term weights).
-    donate, jit: donate ``params`` and ``state``; return the step jitted (default).
-    batchnorm, batchnorm_momentum, compute_dtype: as in :func:`value_and_grad`.
+    weight_fn, window_stats, window_stats_reduce, batchnorm, batchnorm_momentum, compute_dtype:
+      as in :func:`value_and_grad`. donate, jit: donate ``params`` and ``state``; jit (default).
     mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
       ``mesh``'s ``data_axis``, FSDP params and how they are gathered (the budget: "auto"'s).
     aux_reduce: each aux leaf's window reducer (docs/usage.md): ``"mean"`` (weighted; floats'),
       ``"sum"`` (integers'), ``"max"``, ``"min"`` or ``"last"``; a name or an aux pytree prefix.
     grads_in_place: where JAX can (0.11+), the backward pass adds into the accumulator
-      (docs/models.md, "Stacked layers"); False: each gradient summed in the scan's carry.
-    unroll: micro-batches per trip of the window's loop (1: rolled); ``"auto"``: the largest of
-      1, 2, 4, ..., ``k`` whose compiled peak fits ``memory_budget_bytes`` (without one, 10 %
-      over unroll 1's), each compiled once (docs/benchmarks.md, "Unrolling the loop").
+      (docs/models.md); False: each gradient summed in the scan's carry.
+    unroll: micro-batches per trip of the loop, or ``"auto"``: the most that fit (choosing_k.md).
 
   Returns:
     ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,
