@@ -151,13 +151,18 @@ def peak(step, *args):
   )
 
 
-@pytest.mark.slow
-def test_auto_takes_the_largest_unroll_within_the_budget():
-  """Each candidate's compiled bytes are its program's; "auto" runs the largest that fits."""
+def wider():
+  """A model whose activations outweigh its params: (params, batch, tx, the step's args)."""
   params = init_mlp(jax.random.key(0), (64, 256, 8))
   batch = make_batch(jax.random.key(1), 256, d_in=64, num_classes=8)
   tx = ga.accumulate(optax.adam(1e-3), K)
-  args = (params, tx.init(params), batch)
+  return params, batch, tx, (params, tx.init(params), batch)
+
+
+@pytest.mark.slow
+def test_auto_takes_the_largest_unroll_within_the_budget():
+  """Each candidate's compiled bytes are its program's; "auto" runs the largest that fits."""
+  _, _, tx, args = wider()
   sizes = {u: peak(ga.train_step(xent_loss, tx, unroll=u), *args) for u in (1, 2, 4, K)}
   assert sizes[1] < sizes[2] < sizes[4] < sizes[K]  # each unrolled trip holds its activations
   for budget, want in ((sizes[4], 4), (sizes[4] - 1, 2), (sizes[K] * 2, K), (sizes[1] - 1, 1)):
@@ -220,10 +225,7 @@ def test_bad_unroll_is_refused_before_any_work():
 
 @pytest.mark.slow
 def test_step_memory_and_auto_microbatch_size_the_unrolled_step():
-  params = init_mlp(jax.random.key(0), (64, 256, 8))
-  batch = make_batch(jax.random.key(1), 256, d_in=64, num_classes=8)
-  tx = ga.accumulate(optax.adam(1e-3), K)
-  args = (params, tx.init(params), batch)
+  params, batch, tx, args = wider()
   for u in (1, 4):
     got = ga.step_memory(xent_loss, params, batch, K, optax.adam(1e-3), unroll=u)
     assert got == peak(ga.train_step(xent_loss, tx, unroll=u), *args)
