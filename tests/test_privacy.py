@@ -140,6 +140,7 @@ def test_micro_step_and_tx_update_are_the_fused_window(accum_dtype, pad):
   assert_trees_close(params, want, **tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "specs,gather",
   [(None, "once"), (FSDP, "once"), (FSDP, "per_microbatch")],
