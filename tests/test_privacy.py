@@ -169,9 +169,7 @@ def test_on_a_mesh_the_sums_and_the_noise_are_the_one_device_window_s(specs, gat
   assert_trees_close(params, one)
 
 
-@pytest.mark.parametrize(
-  "k", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 4]
-)
+@pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.slow) for k in (1, 2, 4)])
 def test_the_noise_is_drawn_once_per_window_with_spread_sigma_c_over_b(k):
   """update(sigma) - update(0) over 8 seeds and 2,000 coordinates: standard deviation
   sigma C / B (lr 1), whatever k; drawn per micro-batch it would be sqrt(k) larger."""

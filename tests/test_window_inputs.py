@@ -72,8 +72,15 @@ def reference(params, windows):
   return params
 
 
-@pytest.mark.parametrize("remat", [False, True])
-@pytest.mark.parametrize("mesh", [False, True])
+@pytest.mark.parametrize(
+  "remat,mesh",
+  [
+    (False, False),  # the fast tier's cell; remat and the 8-device mesh in the slow tier
+    pytest.param(True, False, marks=pytest.mark.slow),
+    pytest.param(False, True, marks=pytest.mark.slow),
+    pytest.param(True, True, marks=pytest.mark.slow),
+  ],
+)
 def test_global_batch_balance_loss_equals_the_whole_batch_s(remat, mesh):
   params, windows = init(jax.random.key(0)), batches(3)
   kw = {}
