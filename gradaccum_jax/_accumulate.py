@@ -331,7 +331,7 @@ class Accumulator:
     scale = None if state.loss_scale is None else state.loss_scale.scale
     weight, summed = jnp.where(nonempty, acc_weight, 0.0), acc_grads
     if self.privacy is not None:  # (clipped sum + noise) / B, whatever the data: never empty
-      nonempty = jnp.ones((), bool)
+      nonempty = state.count >= 0  # True, but not a constant: the update stays in its branch
       summed = self.privacy.noised(acc_grads, acc_weight, state.count)
       weight = jnp.asarray(self.privacy.expected_batch_size, jnp.float32)
     mean_fn = functools.partial(_mean, summed, weight, scale, grad_like)  # at each use
