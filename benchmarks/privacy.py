@@ -49,14 +49,6 @@ def init(sizes, key):
   ]
 
 
-def peak_bytes(step, *args):
-  analysis = step.lower(*args).compile().memory_analysis()
-  return int(
-    analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-    - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
-  )  # fmt: skip
-
-
 def run(sizes=(784, 512, 512, 10), window=256, splits=((32, 8), (8, 32)), reps=10):
   params = init(sizes, jax.random.key(0))
   A = sum(x.size * 4 for x in jax.tree.leaves(params))
@@ -76,7 +68,7 @@ def run(sizes=(784, 512, 512, 10), window=256, splits=((32, 8), (8, 32)), reps=1
       programs[f"{name} k={k} b={b}"] = (tx, ga.train_step(mlp_loss, tx, donate=True))
   out, live, times = {}, {}, {name: [] for name in programs}
   for name, (tx, step) in programs.items():
-    peak = peak_bytes(step, params, tx.init(params), batch)
+    peak = ga.inspect_step(step, params, tx.init(params), batch).peak_bytes
     out[name] = {"peak_bytes": peak, "peak_A": round(peak / A, 2)}
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     p, s, _ = step(p, s, batch)  # compiled and warm

@@ -104,13 +104,8 @@ def run(E=8, D=128, L=4, b=64, k=8, reps=20):
   tx, programs = steps(E, D, L, k)
   out, live, times = {}, {}, {name: [] for name in programs}
   for name, step in programs.items():
-    state = tx.init(params)
-    analysis = step.lower(params, state, batch).compile().memory_analysis()
-    peak = (
-      analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-      - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
-    )  # fmt: skip
-    out[name] = {"peak_bytes": int(peak), "temp_bytes": int(analysis.temp_size_in_bytes)}
+    report = ga.inspect_step(step, params, tx.init(params), batch)
+    out[name] = {"peak_bytes": report.peak_bytes, "temp_bytes": report.temp_bytes}
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     p, s, _ = step(p, s, batch)  # compiled and warm
     live[name] = (jax.block_until_ready(p), s)

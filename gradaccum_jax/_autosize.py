@@ -11,7 +11,12 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, accumulate
 from gradaccum_jax._checks import check_batch, check_budget, check_num_microbatches
-from gradaccum_jax._memory import compiled_bytes, device_memory_budget, memory_analysis
+from gradaccum_jax._memory import (
+  compiled_bytes,
+  device_memory_budget,
+  memory_analysis,
+  unrolls_for,
+)
 from gradaccum_jax._options import check_unroll
 from gradaccum_jax._train_step import train_step
 
@@ -152,12 +157,10 @@ def auto_microbatch(
   analysis = None
   for k in (d for d in range(1, batch_size + 1) if batch_size % d == 0):
     if fits(k, 1 if auto else unroll):
-      unrolls = sorted({2**i for i in range(1, k.bit_length()) if 2**i <= k} | {k} - {1})
-      chosen = (k, next((u for u in reversed(unrolls) if fits(k, u)), 1)) if auto else k
+      chosen = (k, next(u for u in unrolls_for(k) if u == 1 or fits(k, u))) if auto else k
       return (chosen, estimates) if return_estimates else chosen
-  estimates = {key[0] if auto else key: b for key, b in estimates.items()}
   raise ValueError(
-    f"Even one example per micro-batch (k = B = {batch_size}) needs {estimates[batch_size]}"
+    f"Even one example per micro-batch (k = B = {batch_size}) needs {compiled_bytes(analysis)}"
     f" bytes (temp {analysis.temp_size_in_bytes}, arguments {analysis.argument_size_in_bytes},"
     f" outputs {analysis.output_size_in_bytes}, aliased {analysis.alias_size_in_bytes}) >"
     f" memory_budget_bytes={budget}; the arguments hold the whole batch, params, optimizer state"

@@ -48,6 +48,12 @@ def device_memory_budget(device: Any, needs: str) -> int:
 UNROLL_MARGIN = 0.10
 
 
+def unrolls_for(k: int) -> list[int]:
+  """The unrolls ``"auto"`` tries for ``k`` micro-batches, largest first: ``k`` and the powers of
+  two below it, down to 1."""
+  return sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}, reverse=True)
+
+
 class AutoStep:
   """A jitted step with ``gather_params="auto"`` or ``unroll="auto"``: per signature of its
   arguments (shapes, dtypes, shardings) every candidate compiles once: each gather policy
@@ -73,8 +79,7 @@ class AutoStep:
     if self._unroll != "auto":
       unrolls = [self._unroll]
     else:
-      k = self._step((self._gathers[0], 1)).num_microbatches(args)
-      unrolls = sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}, reverse=True)
+      unrolls = unrolls_for(self._step((self._gathers[0], 1)).num_microbatches(args))
     return [(g, u) for g in self._gathers for u in unrolls]
 
   def _choose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict]:

@@ -45,10 +45,13 @@ class Privacy:
     what = "with a DP transformation, weight_fn(example) (1 for a real example, 0 for padding)"
     return check_weight(self.example_weight(example), what) > 0
 
+  def reals(self, mb: Any) -> jax.Array:
+    """Whether each example of micro-batch ``mb`` is real (:meth:`real`), one bool per row."""
+    return jax.vmap(lambda ex: self.real(_one_row(ex)))(mb)
+
   def count(self, mb: Any) -> jax.Array:
     """The micro-batch's real examples, as float32: its weight."""
-    real = jax.vmap(lambda ex: self.real(_one_row(ex)))(mb)
-    return jnp.sum(real.astype(jnp.float32))
+    return jnp.sum(self.reals(mb).astype(jnp.float32))
 
   def micro(self, opts: Options, params: Any, start: Any, mb: Any, key: Any) -> Micro:
     """One micro-batch: each example's gradient (``loss_fn`` on a micro-batch of its row alone,
@@ -71,7 +74,7 @@ class Privacy:
     def grad_of(e: jax.Array, ex: Any) -> Any:
       return jax.grad(lambda q: loss_of(q, e, ex)[0])(params)
 
-    real = jax.vmap(lambda ex: self.real(_one_row(ex)))(mb)
+    real = self.reals(mb)
     sq = jax.vmap(lambda e, ex: sq_norm(grad_of(e, ex)))(es, mb)
     ok, w = real & jnp.isfinite(sq), jnp.sum(real.astype(jnp.float32))
     # min(1, C / |g_e|): 1 for a zero gradient (C / 0 = inf); 0 for padding or a NaN.
