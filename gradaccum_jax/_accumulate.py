@@ -331,17 +331,19 @@ class Accumulator:
     scale = None if state.loss_scale is None else state.loss_scale.scale
     weight, summed = jnp.where(nonempty, acc_weight, 0.0), acc_grads
     if self.privacy is not None:  # (clipped sum + noise) / B, whatever the data: never empty
-      nonempty = state.count >= 0  # True, but not a constant: the update stays in its branch
+      nonempty = jnp.ones((), bool)
       summed = self.privacy.noised(acc_grads, acc_weight, state.count)
       weight = jnp.asarray(self.privacy.expected_batch_size, jnp.float32)
     mean_fn = functools.partial(_mean, summed, weight, scale, grad_like)  # at each use
     # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
-    ok, loss_scale = nonempty, state.loss_scale
+    loss_scale = state.loss_scale
     if self.skip_nonfinite or self.loss_scale is not None:
-      ok = ok & jnp.isfinite(sq)
+      ok = nonempty & jnp.isfinite(sq)
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
+    else:  # always True, but read after the norm: a flag XLA knows before it copies acc_grads
+      ok = nonempty & (sq != -1.0)
 
     inner = _inner_update(self.inner, mean_fn, mode, params, state.inner_state, extra_args)
     updates, inner_state, cleared = _CLOSERS[mode](ok, inner, acc_grads, params, state.inner_state)
