@@ -342,7 +342,7 @@ class Accumulator:
       ok = nonempty & jnp.isfinite(sq)
       if self.loss_scale is not None:
         loss_scale = self.loss_scale.next(state.loss_scale, jnp.isfinite(sq), nonempty)
-    else:  # always True, but read after the norm: a flag XLA knows before it copies acc_grads
+    else:  # True, but only after the norm: a flag known earlier made XLA copy acc_grads
       ok = nonempty & (sq != -1.0)
 
     inner = _inner_update(self.inner, mean_fn, mode, params, state.inner_state, extra_args)
