@@ -126,6 +126,7 @@ def test_api_pages_open_with_an_example(page):
   assert checks[page.name](), page.name
 
 
+@pytest.mark.slow
 def test_models_nnx_check_equivalence():
   """docs/models.md: the masked token loss of an NNX model fails the check unweighted and passes
   weighted by tokens; the step weighted by tokens reports the whole batch's token mean and
@@ -198,6 +199,7 @@ def test_architecture_adds_a_unit_with_one_line():
   assert sorted(with_unit) == [("all-reduce", 1), ("all-reduce", 4)], with_unit
 
 
+@pytest.mark.slow
 def test_privacy_page_trains_privately_and_accounts_for_its_windows():
   """docs/privacy.md: three Poisson-sampled windows of one compiled program, the streaming loop
   of clipped_grad and tx.update, and the accountant's epsilon for them and for a whole run."""
@@ -209,6 +211,7 @@ def test_privacy_page_trains_privately_and_accounts_for_its_windows():
   assert 0 < ns["eps"] < ns["eps_run"] < 10
 
 
+@pytest.mark.slow
 def test_migrating_snippets_match_their_before():
   """docs/migrating.md: every "after" gives the parameters and counters of its "before"."""
   ns = run_blocks(DOCS / "migrating.md")

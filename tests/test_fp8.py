@@ -158,6 +158,7 @@ def test_train_step_on_the_variables_dict():
     assert_window_equal(params, ref.params, before, exact=i == 0)
 
 
+@pytest.mark.slow
 def test_value_and_grad_equals_jax_grad_of_the_variables():
   """The collection's "gradient" is the whole batch's new value, as ``jax.value_and_grad``
   gives it; the params' gradient is the whole batch's."""

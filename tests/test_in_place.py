@@ -222,6 +222,7 @@ def _report_of(params, tx, **kw):
   return ga.inspect_step(step, params, tx.init(params), batch)
 
 
+@pytest.mark.slow
 def test_the_report_says_why_a_step_carries():
   """``StepReport.carried_because`` names the cause in every case the step falls back (None in
   place), and the report's line prints it."""

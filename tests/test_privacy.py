@@ -192,6 +192,7 @@ def test_the_noise_is_drawn_once_per_window_with_spread_sigma_c_over_b(k):
   assert not np.allclose(noise[0], noise[1])  # each seed its own draw
 
 
+@pytest.mark.slow
 def test_a_resumed_run_draws_the_uninterrupted_run_s_noise():
   batches = [make(i) for i in range(3)]
   tx = dp_tx(2, sigma=1.1, seed=3, inner=optax.adam(1e-2))
@@ -217,6 +218,7 @@ def test_a_resumed_run_draws_the_uninterrupted_run_s_noise():
 
 
 # JAX Privacy 2.0.0 calls optax.global_norm, which optax 0.2.8 deprecates.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated:DeprecationWarning")
 def test_one_window_is_jax_privacy_s_clipped_grad_divided_by_b():
   import jax_privacy

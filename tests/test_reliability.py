@@ -360,7 +360,7 @@ def test_low_precision_accumulators_keep_the_mean_representable():
   np.testing.assert_allclose(np.asarray(grads, np.float32), 2e4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("k", [3, 6, 16])
+@pytest.mark.parametrize("k", [3, 6, pytest.param(16, marks=pytest.mark.slow)])
 def test_float64_windows_are_float64_exact(k):
   """Under x64 with accum_dtype=float64, every normalizer of the window is float64: the mean
   of k equal gradients of 1.0 is exactly 1.0 in streaming and fused mode (before: 1.0000000298

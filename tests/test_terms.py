@@ -138,6 +138,7 @@ def test_without_per_term_weights_the_terms_are_summed():
   assert set(metrics["loss_terms"]) == {"ce", "z"} and "term_weights" not in metrics
 
 
+@pytest.mark.slow
 def test_terms_with_aux_keep_the_aux():
   batch, k = make(), 4
 

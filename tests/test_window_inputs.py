@@ -115,6 +115,7 @@ def test_the_micro_batches_own_fractions_are_not_the_whole_batch_s():
   assert gap > 1e-5  # 10 times the tolerance the equalities above hold to
 
 
+@pytest.mark.slow
 def test_value_and_grad_and_a_short_window_read_the_window_s_statistics():
   params, (batch,) = init(jax.random.key(0)), batches(1)
   loss, grads = ga.value_and_grad(loss_fn, 4, window_stats=stats_fn)(params, batch)
