@@ -154,12 +154,12 @@ def keeps_running_means(acc: Any) -> bool:
 
 
 def window_means(
-  sums: Sums, loss_like: Any, aux_like: Any, reducers: AuxReducers | None = None
+  sums: Sums, loss_like: Any, aux_like: Any, reducers: AuxReducers
 ) -> tuple[jax.Array, Any]:
-  """The window's weighted mean loss and its aux as ``reducers`` say (by default integer leaves
-  summed), in the dtypes ``loss_fn`` returned (``*_like``: one micro-batch's)."""
+  """The window's weighted mean loss and its aux as ``reducers`` say, in the dtypes ``loss_fn``
+  returned (``*_like``: one micro-batch's)."""
   loss = jax.tree.map(lambda s, x: safe_mean(s, sums.weight).astype(x.dtype), sums.loss, loss_like)
-  return loss, (reducers or AuxReducers()).final(sums.aux, sums.weight, aux_like)
+  return loss, reducers.final(sums.aux, sums.weight, aux_like)
 
 
 def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
@@ -451,12 +451,6 @@ def _mean_share(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
   return acc / devices if not weighted and is_inexact(acc) else acc
 
 
-def _devices_mean(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
-  """A float ``"last"``: the mean of the devices' values (integers: their sum)."""
-  del weighted
-  return acc / devices if is_inexact(acc) else acc
-
-
 def _weighted_mean(total: jax.Array, weight: jax.Array, like: Any) -> jax.Array:
   return safe_mean(total, weight).astype(jnp.result_type(like))
 
@@ -488,7 +482,7 @@ REDUCERS: dict[str, Reducer] = {
   "max": _peak(jnp.maximum, _lowest, "max"),
   "min": _peak(jnp.minimum, functools.partial(_lowest, high=True), "min"),
   # the last micro-batch of positive weight; on a mesh the mean of the devices' values for it
-  "last": Reducer(_zero, _add_last, _later, "sum", _devices_mean),
+  "last": Reducer(_zero, _add_last, _later, "sum", lambda a, d, w: _mean_share(a, d, False)),
   # fp8 amax (_microbatch.Fp8): the max over every micro-batch that ran, whatever its weight
   "max_all": dataclasses.replace(_peak(jnp.maximum, _lowest, "max", every=True), public=False),
 }  # fmt: skip
