@@ -497,10 +497,6 @@ def _default_reducer(x: Any) -> str:
   return "mean" if is_inexact(x) else "sum"
 
 
-def _is_name(x: Any) -> bool:
-  return x is None or isinstance(x, str)
-
-
 @dataclasses.dataclass(frozen=True)
 class AuxReducers:
   """Each aux leaf's :class:`Reducer` (``aux_reduce=``; docs/usage.md, "Window statistics"):
@@ -521,7 +517,7 @@ class AuxReducers:
       return jax.tree.map(lambda x: REDUCERS[_default_reducer(x)], aux)
     treedef, spec = jax.tree.structure(aux), self._completed(self.spec, aux)
     try:
-      spec = jax.tree.broadcast(spec, aux, is_leaf=_is_name)
+      spec = jax.tree.broadcast(spec, aux, is_leaf=lambda x: x is None or isinstance(x, str))
     except (ValueError, TypeError):
       raise self._refuse(
         f"aux_reduce={self.spec!r} must be one of {reducer_names()}, a pytree prefix of the aux"
