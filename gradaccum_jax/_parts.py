@@ -154,12 +154,12 @@ def keeps_running_means(acc: Any) -> bool:
 
 
 def window_means(
-  sums: Sums, loss_like: Any, aux_like: Any, reducers: AuxReducers | None = None
+  sums: Sums, loss_like: Any, aux_like: Any, reducers: AuxReducers
 ) -> tuple[jax.Array, Any]:
-  """The window's weighted mean loss and its aux as ``reducers`` say (by default integer leaves
-  summed), in the dtypes ``loss_fn`` returned (``*_like``: one micro-batch's)."""
+  """The window's weighted mean loss and its aux as ``reducers`` say, in the dtypes ``loss_fn``
+  returned (``*_like``: one micro-batch's)."""
   loss = jax.tree.map(lambda s, x: safe_mean(s, sums.weight).astype(x.dtype), sums.loss, loss_like)
-  return loss, (reducers or AuxReducers()).final(sums.aux, sums.weight, aux_like)
+  return loss, reducers.final(sums.aux, sums.weight, aux_like)
 
 
 def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
@@ -411,18 +411,14 @@ def _zero(dtype: Any) -> int:
   return 0
 
 
-def _lowest(dtype: Any) -> Any:
-  """The start of a maximum: -inf, the least integer, or False."""
+def _lowest(dtype: Any, high: bool = False) -> Any:
+  """The start of a maximum: -inf, the least integer, or False (``high``: of a minimum, the
+  other end)."""
   if jnp.issubdtype(dtype, jnp.bool_):
-    return False
-  return -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
-
-
-def _highest(dtype: Any) -> Any:
-  """The start of a minimum: +inf, the greatest integer, or True."""
-  if jnp.issubdtype(dtype, jnp.bool_):
-    return True
-  return jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+    return high
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.inf if high else -jnp.inf
+  return jnp.iinfo(dtype).max if high else jnp.iinfo(dtype).min
 
 
 def _add_weighted(acc: jax.Array, x: Any, w: jax.Array, weighted: bool) -> jax.Array:
@@ -446,21 +442,13 @@ def _add_last(acc: jax.Array, x: Any, w: jax.Array, weighted: bool) -> jax.Array
 
 def _later(acc: jax.Array, more: jax.Array, more_weight: jax.Array) -> jax.Array:
   """``more``, unless its micro-batches weigh nothing (``more_weight``: one per slot, or one)."""
-  real = more_weight > 0
-  real = jnp.reshape(real, jnp.shape(real) + (1,) * (more.ndim - real.ndim))
-  return jnp.where(real, more, acc).astype(acc.dtype)
+  return jnp.where(_leading(more_weight > 0, more), more, acc).astype(acc.dtype)
 
 
 def _mean_share(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
   """Unweighted, a device's micro-batch weighs ``1 / devices``, so that the devices' sum is the
   mean over every micro-batch; weighted, the weights say it."""
   return acc / devices if not weighted and is_inexact(acc) else acc
-
-
-def _devices_mean(acc: jax.Array, devices: int, weighted: bool) -> jax.Array:
-  """A float ``"last"``: the mean of the devices' values (integers: their sum)."""
-  del weighted
-  return acc / devices if is_inexact(acc) else acc
 
 
 def _weighted_mean(total: jax.Array, weight: jax.Array, like: Any) -> jax.Array:
@@ -492,9 +480,9 @@ REDUCERS: dict[str, Reducer] = {
   "sum": Reducer(_zero, _add, _plus, "sum", dtype=sum_dtype),
   # over the micro-batches and devices; -inf and +inf for a window of no positive weight
   "max": _peak(jnp.maximum, _lowest, "max"),
-  "min": _peak(jnp.minimum, _highest, "min"),
+  "min": _peak(jnp.minimum, functools.partial(_lowest, high=True), "min"),
   # the last micro-batch of positive weight; on a mesh the mean of the devices' values for it
-  "last": Reducer(_zero, _add_last, _later, "sum", _devices_mean),
+  "last": Reducer(_zero, _add_last, _later, "sum", lambda a, d, w: _mean_share(a, d, False)),
   # fp8 amax (_microbatch.Fp8): the max over every micro-batch that ran, whatever its weight
   "max_all": dataclasses.replace(_peak(jnp.maximum, _lowest, "max", every=True), public=False),
 }  # fmt: skip
@@ -507,10 +495,6 @@ def reducer_names() -> tuple[str, ...]:
 
 def _default_reducer(x: Any) -> str:
   return "mean" if is_inexact(x) else "sum"
-
-
-def _is_name(x: Any) -> bool:
-  return x is None or isinstance(x, str)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,7 +517,7 @@ class AuxReducers:
       return jax.tree.map(lambda x: REDUCERS[_default_reducer(x)], aux)
     treedef, spec = jax.tree.structure(aux), self._completed(self.spec, aux)
     try:
-      spec = jax.tree.broadcast(spec, aux, is_leaf=_is_name)
+      spec = jax.tree.broadcast(spec, aux, is_leaf=lambda x: x is None or isinstance(x, str))
     except (ValueError, TypeError):
       raise self._refuse(
         f"aux_reduce={self.spec!r} must be one of {reducer_names()}, a pytree prefix of the aux"
@@ -718,7 +702,8 @@ class SumsUnit(Unit):
     if self.weighting.weighted:
       return s._replace(aux=aux)
     grads = jax.tree.map(lambda a: rule_of(a).share(a, devices), s.grads)
-    return Sums(grads, s.weight / devices, _divided(s.loss, devices), aux)
+    loss = jax.tree.map(lambda x: x / devices if is_inexact(x) else x, s.loss)
+    return Sums(grads, s.weight / devices, loss, aux)
 
   def merge(self, s: Sums, more: Sums) -> Sums:
     return s.merged(more, self.reducers)
@@ -745,11 +730,6 @@ class SumsUnit(Unit):
     """What an open window's gradient sums are multiplied by when one device adds them into its
     share: the inverse of :meth:`share` (exact for a power of two)."""
     return 1 if self.weighting.weighted else devices
-
-
-def _divided(tree: Any, devices: int) -> Any:
-  """``tree``'s float leaves divided by ``devices``."""
-  return jax.tree.map(lambda x: x / devices if is_inexact(x) else x, tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,10 +33,6 @@ class WindowStats:
   reducers: AuxReducers
   has_state: bool
 
-  def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> Any:
-    args = (params, model_state, mb) if self.has_state else (params, mb)
-    return self.fn(*args) if key is None else self.fn(*args, key)
-
   def window(self, take: Callable, weighting: Any, model_state: Any, *, k: int, num: Any,
              vary: tuple) -> Any:  # fmt: skip
     """The window's statistics over its first ``num`` of ``k`` micro-batches and the devices
@@ -46,7 +42,9 @@ class WindowStats:
 
     def one(i: Any) -> tuple[Any, jax.Array]:
       params, mb, key = take(i)
-      return self.call(params, model_state, mb, key), wt.of(mb)
+      args = (params, model_state, mb) if self.has_state else (params, mb)
+      args = args if key is None else (*args, key)
+      return self.fn(*args), wt.of(mb)
 
     like = jax.eval_shape(lambda: one(0)[0])
     start = (reducers.init(like), jnp.zeros((), jnp.float32))
@@ -61,8 +59,11 @@ class WindowStats:
       (acc, weight), _ = jax.lax.scan(body, start, jnp.arange(num))
     else:
       acc, weight = jax.lax.fori_loop(0, num, lambda i, c: body(c, i)[0], start)
-    if vary:
-      acc, weight = _over_devices(reducers, acc, weight, vary, wt.weighted)
+    if vary:  # unweighted, each device's micro-batch weighs 1 / D (linear: after the sum)
+      ((acc, weight),) = reduce_parts((_Reduced(reducers),), ((acc, weight),), (), vary)
+      devices = jax.lax.axis_size(vary)
+      acc = reducers.share(acc, devices, wt.weighted)
+      weight = weight if wt.weighted else weight / devices
     return jax.lax.stop_gradient(reducers.final(acc, weight, like))
 
 
@@ -84,11 +85,3 @@ class _Reduced(Unit):
       return self.reducers.join({**got, "sum": summed}), total
 
     return asks, finish
-
-
-def _over_devices(reducers: AuxReducers, acc: Any, weight: jax.Array, vary: tuple, weighted: bool):
-  """A device's partial reductions combined over ``vary`` as the window's aux are; unweighted,
-  each device's micro-batch weighs 1 / D (each share linear: taken after the sum)."""
-  ((acc, weight),) = reduce_parts((_Reduced(reducers),), ((acc, weight),), (), vary)
-  devices = jax.lax.axis_size(vary)
-  return reducers.share(acc, devices, weighted), weight if weighted else weight / devices
