@@ -191,7 +191,6 @@ def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any,
 
 
 def _explicit(mesh: Any) -> bool:
-  """Whether ``mesh`` (or None) has Explicit axes."""
   return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
@@ -200,7 +199,6 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 
 def _per_leaf(fn: Callable[[Any, Any], Any], tree: Any, plans: Sequence[Any]) -> Any:
-  """``fn(leaf, plan)`` for each leaf of ``tree`` and its plan, as a tree like ``tree``."""
   leaves = [fn(x, p) for x, p in zip(jax.tree.leaves(tree), plans, strict=True)]
   return jax.tree.structure(tree).unflatten(leaves)
 
