@@ -4,6 +4,7 @@ that fits."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -65,20 +66,14 @@ class AutoStep:
   nothing."""
 
   def __init__(self, build: Callable[[Any, int], Any], gathers: tuple, unroll: Any, budget: Any):
-    self._build, self._gathers, self._unroll, self.budget = build, gathers, unroll, budget
-    self._steps: dict[tuple, Any] = {}
+    self._gathers, self._unroll, self.budget = gathers, unroll, budget
+    self._step = functools.cache(lambda key: build(*key))  # one jitted step per (gather, unroll)
     self._chosen: dict[Any, tuple[tuple, dict[tuple, int], Any]] = {}
-
-  def _step(self, key: tuple) -> Any:
-    if key not in self._steps:
-      self._steps[key] = self._build(*key)
-    return self._steps[key]
 
   def _candidates(self, args: tuple[Any, ...]) -> list[tuple]:
     """``(gather, unroll)`` in the order of preference."""
-    if self._unroll != "auto":
-      unrolls = [self._unroll]
-    else:
+    unrolls = [self._unroll]
+    if self._unroll == "auto":
       unrolls = unrolls_for(self._step((self._gathers[0], 1)).num_microbatches(args))
     return [(g, u) for g in self._gathers for u in unrolls]
 

@@ -191,7 +191,6 @@ def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any,
 
 
 def _explicit(mesh: Any) -> bool:
-  """Whether ``mesh`` (or None) has Explicit axes."""
   return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
@@ -200,7 +199,6 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 
 def _per_leaf(fn: Callable[[Any, Any], Any], tree: Any, plans: Sequence[Any]) -> Any:
-  """``fn(leaf, plan)`` for each leaf of ``tree`` and its plan, as a tree like ``tree``."""
   leaves = [fn(x, p) for x, p in zip(jax.tree.leaves(tree), plans, strict=True)]
   return jax.tree.structure(tree).unflatten(leaves)
 
@@ -414,20 +412,17 @@ def reduce_parts(units: tuple, parts: tuple, plans, axes, *, scattered=False) ->
   if leaves or jax.tree.leaves(parts):  # else no all-reduce at all
     summed, parts = reduce_over_data(list(plans) * len(grads), leaves, parts, axes, scattered)
   extra = jax.tree.map(lambda x, like: _from_float32_parts(x, like, bits), parts, extra)
-  combine = {
-    **{
-      name: lambda t, c=COLLECTIVES[name][0]: c(t, axes) if jax.tree.leaves(t) else t
-      for name in ("max", "min")
-    },
-    "state": lambda t: reduce_state(t, axes),
-  }
+
+  def combine(name, t):  # "max", "min" or "state"
+    if name == "state":
+      return reduce_state(t, axes)
+    return COLLECTIVES[name][0](t, axes) if jax.tree.leaves(t) else t
+
   it, out = iter(summed), []
   for a, finish, total in zip(asks, finishes, extra, strict=True):
-    got = {name: combine[name](t) for name, t in a.items() if name in combine}
+    got = {name: combine(name, t) for name, t in a.items() if name in ("max", "min", "state")}
     if "grads" in a:
-      got["grads"] = jax.tree.structure(a["grads"]).unflatten(
-        [next(it) for _ in jax.tree.leaves(a["grads"])]
-      )
+      got["grads"] = jax.tree.map(lambda _: next(it), a["grads"])
     out.append(finish({**got, "sum": total}))
   return tuple(out)
 
