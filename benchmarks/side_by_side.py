@@ -10,10 +10,13 @@ records one of its runs), in one run per configuration, medians of ``--rounds`` 
   min_scan   a minimal lax.scan over the same strided micro-batches, mean, optimizer once
   min_guard  min_scan plus what skip_nonfinite=True (ga's default) adds, written by hand: the
              squared global norm of the mean (each matrix summed by rows first, as ga does),
-             and the update run only if it is finite (a while loop of 0 or 1 trips, in place):
-             the floor for a step that voids bad windows
+             and the update run only if it is finite (a lax.cond that updates in place, as
+             ga's donated step does): the floor for a step that voids bad windows
   min_loss   min_guard that also sums the micro-batches' losses and returns their mean (as ga
              reports ``metrics["loss"]``): the floor for a step with ga's guard and loss
+  min_state  min_loss whose accumulator lives in the donated optimizer state, as
+             AccumulateState.acc_grads does: the scan starts from it and the step writes it
+             back as zeros after the update (an empty window), as ga's state must be
   ga         gradaccum_jax.train_step (fused scan + one update), donated like the others
   ga_undonated  the same with donate=False (new buffers for params and state every window)
   ga_stream  gradaccum_jax.accumulate, k jitted micro-steps (grad + tx.update) from Python
@@ -26,7 +29,7 @@ unrolling trades memory (each trip holds its micro-batches' activations) for few
 
 MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
 and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, plain, min_scan,
-min_guard, microbat, ga and ga_undonated one window each in turn: quantiles (p10, p25, median)
+min_guard, min_loss, min_state, microbat, ga and ga_undonated one window each in turn: quantiles (p10, p25, median)
 of those single windows and ga's ratio to each at the same quantile, steadier on a shared
 machine than the rounds.
 
@@ -62,7 +65,8 @@ import gradaccum_jax as ga
 
 SIZES = (784, 512, 512, 10)
 VARIANTS = (
-  "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "ga", "ga_undonated",
+  "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "min_state", "ga",
+  "ga_undonated",
   "ga_stream", "ga_micro", "min_u2", "min_uk", "ga_u2", "ga_uk",
 )  # fmt: skip
 UNROLLED = ("min_scan", "min_u2", "min_uk", "ga", "ga_u2", "ga_uk")
@@ -121,8 +125,9 @@ def variants(opt_name, k, b, sizes):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  def grad_sum(p, bt, with_loss=False, unroll=1):
-    """The minimal scan: the strided micro-batches' gradients, summed (and their losses)."""
+  def grad_sum(p, bt, with_loss=False, unroll=1, start=None):
+    """The minimal scan: the strided micro-batches' gradients, summed (and their losses), from
+    zeros or from ``start``."""
 
     def body(c, i):
       mb = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:])[:, i], bt)
@@ -131,21 +136,19 @@ def variants(opt_name, k, b, sizes):
       loss, g = jax.value_and_grad(loss_fn)(p, mb)
       return (jax.tree.map(jnp.add, c[0], g), c[1] + loss), None
 
-    init = jax.tree.map(jnp.zeros_like, p)
+    init = jax.tree.map(jnp.zeros_like, p) if start is None else start
     return jax.lax.scan(body, (init, 0.0) if with_loss else init, jnp.arange(k), unroll=unroll)[0]
 
   def guarded(p, s, mean):
-    """The update if the mean's squared norm is finite, in a loop of 0 or 1 trips (in place).
-    Rows first, then their sum, as ga does: XLA:CPU runs a reduction to a scalar on one
-    thread."""
+    """The update if the mean's squared norm is finite, in a lax.cond (in place). Rows first,
+    then their sum, as ga does: XLA:CPU runs a reduction to a scalar on one thread."""
     finite = jnp.isfinite(sum(jnp.sum(jnp.sum(m * m, axis=-1)) for m in jax.tree.leaves(mean)))
 
     def update(c):
-      _, (p, s) = c
-      u, s = opt.update(mean, s, p)
-      return jnp.zeros((), bool), (optax.apply_updates(p, u), s)
+      u, s = opt.update(mean, c[1], c[0])
+      return optax.apply_updates(c[0], u), s
 
-    return jax.lax.while_loop(lambda c: c[0], update, (finite, (p, s)))[1]
+    return jax.lax.cond(finite, update, lambda c: c, (p, s))
 
   def min_unrolled(unroll):
     @jit
@@ -166,16 +169,25 @@ def variants(opt_name, k, b, sizes):
     acc, total = grad_sum(p, bt, with_loss=True)
     return *guarded(p, s, jax.tree.map(lambda a: a / k, acc)), total / k
 
+  @jit
+  def min_state(p, s, bt):
+    (s, start) = s
+    acc, total = grad_sum(p, bt, with_loss=True, start=start)
+    p, s = guarded(p, s, jax.tree.map(lambda a: a / k, acc))
+    return p, (s, jax.tree.map(jnp.zeros_like, acc)), total / k
+
   ga_step = ga.train_step(loss_fn, tx, donate=True)
   ga_undonated = ga.train_step(loss_fn, tx, donate=False)
   ga_u2 = ga.train_step(loss_fn, tx, donate=True, unroll=2)
   ga_uk = ga.train_step(loss_fn, tx, donate=True, unroll=k)
+  with_acc = _WithAccumulator(opt)
   programs = {"min_scan": min_scan, "min_u2": min_u2, "min_uk": min_uk, "ga": ga_step,
-              "ga_u2": ga_u2, "ga_uk": ga_uk}  # fmt: skip
+              "ga_u2": ga_u2, "ga_uk": ga_uk, "min_loss": min_loss, "min_state": min_state}  # fmt: skip
   p0 = init(jax.random.key(0), sizes)
+  makes = {"min_state": with_acc}
   temp = {
-    n: int(f.lower(p0, (tx if n.startswith("ga") else opt).init(p0), batch).compile()
-           .memory_analysis().temp_size_in_bytes)
+    n: int(f.lower(p0, makes.get(n, tx if n.startswith("ga") else opt).init(p0), batch)
+           .compile().memory_analysis().temp_size_in_bytes)
     for n, f in programs.items()
   }  # fmt: skip
 
@@ -193,6 +205,7 @@ def variants(opt_name, k, b, sizes):
     "min_scan": (opt, lambda p, s: min_scan(p, s, batch)),
     "min_guard": (opt, lambda p, s: min_guard(p, s, batch)),
     "min_loss": (opt, lambda p, s: min_loss(p, s, batch)[:2]),
+    "min_state": (with_acc, lambda p, s: min_state(p, s, batch)[:2]),
     "ga": (tx, lambda p, s: ga_step(p, s, batch)[:2]),
     "ga_undonated": (tx, lambda p, s: ga_undonated(p, s, batch)[:2]),
     "ga_stream": (tx, loop(ga_micro)),
@@ -202,6 +215,16 @@ def variants(opt_name, k, b, sizes):
     "ga_u2": (tx, lambda p, s: ga_u2(p, s, batch)[:2]),
     "ga_uk": (tx, lambda p, s: ga_uk(p, s, batch)[:2]),
   }, temp
+
+
+class _WithAccumulator:
+  """``opt``'s state with an accumulator of zeros beside it, for ``min_state``."""
+
+  def __init__(self, opt):
+    self.opt = opt
+
+  def init(self, p):
+    return self.opt.init(p), jax.tree.map(jnp.zeros_like, p)
 
 
 def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0):
@@ -258,6 +281,9 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
     "ga_vs_min_loss": statistics.median(
       [g / m for g, m in zip(samples["ga"], samples["min_loss"], strict=True)]
     ),
+    "ga_vs_min_state": statistics.median(
+      [g / m for g, m in zip(samples["ga"], samples["min_state"], strict=True)]
+    ),
     "ga_vs_microbat": statistics.median(
       [g / m for g, m in zip(samples["ga"], samples["microbat"], strict=True)]
     ),
@@ -277,7 +303,9 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
   }  # fmt: skip
 
 
-FUSED = ("plain", "min_scan", "min_guard", "min_loss", "microbat", "ga", "ga_undonated")
+FUSED = (
+  "plain", "min_scan", "min_guard", "min_loss", "min_state", "microbat", "ga", "ga_undonated",
+)  # fmt: skip
 QUANTILES = (0.1, 0.25, 0.5)
 MIN_SINGLE = 20  # single windows per variant at least, after two warm-up windows
 
@@ -315,10 +343,10 @@ def table(rows):
   head = (
     "| opt | b | plain ms | "
     + " | ".join(VARIANTS[1:])
-    + " | ga / min_scan | ga / min_guard | ga / min_loss | ga / microbat | stream / ms_loop"
-    + " | micro / ms_loop |"
+    + " | ga / min_scan | ga / min_guard | ga / min_loss | ga / min_state | ga / microbat"
+    + " | stream / ms_loop | micro / ms_loop |"
   )
-  lines = [head, "|" + "---|" * (len(VARIANTS) + 8)]
+  lines = [head, "|" + "---|" * (len(VARIANTS) + 9)]
   for r in rows:
     cells = [
       f"{r['ratio'][n]:.2f}x ({r['ratio_min'][n]:.2f}-{r['ratio_max'][n]:.2f})"
@@ -327,7 +355,7 @@ def table(rows):
     lines.append(
       f"| {r['opt']} | {r['b']} | {r['ms']['plain']:.2f} | " + " | ".join(cells)
       + f" | {r['ga_vs_min_scan']:.3f} | {r['ga_vs_min_guard']:.3f} | {r['ga_vs_min_loss']:.3f}"
-      + f" | {r['ga_vs_microbat']:.3f}"
+      + f" | {r['ga_vs_min_state']:.3f} | {r['ga_vs_microbat']:.3f}"
       + f" | {r['stream_vs_ms_loop']:.3f}"
       + f" | {r['micro_vs_ms_loop']:.3f} |"
     )  # fmt: skip
@@ -350,21 +378,36 @@ def unroll_table(rows):
   return "\n".join(lines)
 
 
+def state_table(rows):
+  """Compiled temp memory of the guarded scans and ga: where the accumulator lives."""
+  lines = [
+    "| opt | b | min_loss temp MiB | min_state temp MiB | ga temp MiB |",
+    "|---|---|---|---|---|",
+  ]
+  for r in rows:
+    t = {n: r["temp_bytes"][n] / 2**20 for n in ("min_loss", "min_state", "ga")}
+    lines.append(
+      f"| {r['opt']} | {r['b']} | {t['min_loss']:.2f} | {t['min_state']:.2f} | {t['ga']:.2f} |"
+    )
+  return "\n".join(lines)
+
+
 def single_table(rows):
   head = (
     "| opt | b | windows | "
     + " | ".join(f"{n} ms" for n in FUSED)
-    + " | ga / min_scan | ga / min_guard | ga / min_loss | ga / microbat | ga / plain"
-    + " | min_scan / plain | ga_undonated / min_scan |"
+    + " | ga / min_scan | ga / min_guard | ga / min_loss | ga / min_state | ga / microbat"
+    + " | ga / plain | min_scan / plain | ga_undonated / min_scan |"
   )
-  lines = [head, "|" + "---|" * (len(FUSED) + 10)]
+  lines = [head, "|" + "---|" * (len(FUSED) + 11)]
   fmt = lambda d: "/".join(f"{d[str(p)]:.3f}" for p in QUANTILES)  # noqa: E731
   for r in rows:
     s = r["single"]
     lines.append(
       f"| {r['opt']} | {r['b']} | {s['windows']} | " + " | ".join(fmt(s["ms"][n]) for n in FUSED)
       + " | " + " | ".join(
-        fmt(s["ga_vs"][n]) for n in ("min_scan", "min_guard", "min_loss", "microbat", "plain")
+        fmt(s["ga_vs"][n])
+        for n in ("min_scan", "min_guard", "min_loss", "min_state", "microbat", "plain")
       ) + f" | {fmt(s['min_scan_vs_plain'])} | {fmt(s['undonated_vs_min_scan'])} |"
     )  # fmt: skip
   return "\n".join(lines)
@@ -440,7 +483,8 @@ def main(argv=None):
     + "\n\nUnrolled loops (`unroll=2` and `unroll=k`): time as a ratio to plain, compiled temp"
     " memory (MiB), and ga's ratio to the minimal scan unrolled alike.\n\n"
     + unroll_table(rows)
-    + "\n"
+    + "\n\nCompiled temp memory of the guarded scans (arguments aside: min_state's and ga's hold"
+    " the accumulator, min_loss's do not).\n\n" + state_table(rows) + "\n"
   )
   if all(r["single"] for r in rows):
     md += (

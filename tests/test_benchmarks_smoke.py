@@ -152,16 +152,18 @@ def check_side_by_side(json_path, md_path):
   assert result["meta"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   for row in result["rows"]:
     assert set(row["ratio"]) == {
-      "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "ga", "ga_undonated",
-      "ga_stream", "ga_micro", "min_u2", "min_uk", "ga_u2", "ga_uk",
+      "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "min_state", "ga",
+      "ga_undonated", "ga_stream", "ga_micro", "min_u2", "min_uk", "ga_u2", "ga_uk",
     }  # fmt: skip
     assert max(row["max_abs_diff_to_plain"].values()) < 1e-3  # every variant trains alike
     temp = row["temp_bytes"]  # an unrolled loop holds more micro-batches at once
     assert temp["min_scan"] <= temp["min_uk"] and temp["ga"] <= temp["ga_uk"]
+    # the accumulator in the state: ga adds into it in place, the hand-written form does not
+    assert temp["ga"] < temp["min_state"]
     single = row["single"]  # single windows in turn: quantiles, and ga's ratio at each
     assert single["windows"] >= 20
     assert set(single["ga_vs"]) == {
-      "plain", "min_scan", "min_guard", "min_loss", "microbat", "ga_undonated",
+      "plain", "min_scan", "min_guard", "min_loss", "min_state", "microbat", "ga_undonated",
     }  # fmt: skip
     for n, q in single["ga_vs"].items():
       assert q["0.5"] == pytest.approx(single["ms"]["ga"]["0.5"] / single["ms"][n]["0.5"])
@@ -172,6 +174,7 @@ def check_side_by_side(json_path, md_path):
   md = md_path.read_text()
   assert "| opt | b | plain ms |" in md and "| opt | b | windows |" in md
   assert "ga_uk / min_uk" in md
+  assert "| opt | b | min_loss temp MiB | min_state temp MiB | ga temp MiB |" in md
 
 
 def test_side_by_side_names_a_bad_configs_entry():
