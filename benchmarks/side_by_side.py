@@ -29,9 +29,9 @@ unrolling trades memory (each trip holds its micro-batches' activations) for few
 
 MLP 784-512-512-10, softmax cross-entropy, k = 8; by default b in (8, 32, 256) with adam,
 and b = 32 with muon. Then, for ``--single-s`` seconds per configuration, plain, min_scan,
-min_guard, min_loss, min_state, microbat, ga and ga_undonated one window each in turn: quantiles (p10, p25, median)
-of those single windows and ga's ratio to each at the same quantile, steadier on a shared
-machine than the rounds.
+min_guard, min_loss, min_state, microbat, ga and ga_undonated one window each in turn: quantiles
+(p10, p25, median) of those single windows and ga's ratio to each at the same quantile, steadier
+on a shared machine than the rounds.
 
   python benchmarks/side_by_side.py --out benchmarks/results           # a few minutes
   python benchmarks/side_by_side.py --smoke --out /tmp/bench           # seconds
@@ -66,8 +66,7 @@ import gradaccum_jax as ga
 SIZES = (784, 512, 512, 10)
 VARIANTS = (
   "plain", "ms_loop", "microbat", "min_scan", "min_guard", "min_loss", "min_state", "ga",
-  "ga_undonated",
-  "ga_stream", "ga_micro", "min_u2", "min_uk", "ga_u2", "ga_uk",
+  "ga_undonated", "ga_stream", "ga_micro", "min_u2", "min_uk", "ga_u2", "ga_uk",
 )  # fmt: skip
 UNROLLED = ("min_scan", "min_u2", "min_uk", "ga", "ga_u2", "ga_uk")
 
@@ -171,7 +170,7 @@ def variants(opt_name, k, b, sizes):
 
   @jit
   def min_state(p, s, bt):
-    (s, start) = s
+    s, start = s
     acc, total = grad_sum(p, bt, with_loss=True, start=start)
     p, s = guarded(p, s, jax.tree.map(lambda a: a / k, acc))
     return p, (s, jax.tree.map(jnp.zeros_like, acc)), total / k
@@ -181,15 +180,16 @@ def variants(opt_name, k, b, sizes):
   ga_u2 = ga.train_step(loss_fn, tx, donate=True, unroll=2)
   ga_uk = ga.train_step(loss_fn, tx, donate=True, unroll=k)
   with_acc = _WithAccumulator(opt)
-  programs = {"min_scan": min_scan, "min_u2": min_u2, "min_uk": min_uk, "ga": ga_step,
-              "ga_u2": ga_u2, "ga_uk": ga_uk, "min_loss": min_loss, "min_state": min_state}  # fmt: skip
-  p0 = init(jax.random.key(0), sizes)
-  makes = {"min_state": with_acc}
-  temp = {
-    n: int(f.lower(p0, makes.get(n, tx if n.startswith("ga") else opt).init(p0), batch)
-           .compile().memory_analysis().temp_size_in_bytes)
-    for n, f in programs.items()
+  programs = {  # name: (what makes its state, the jitted program)
+    "min_scan": (opt, min_scan), "min_u2": (opt, min_u2), "min_uk": (opt, min_uk),
+    "min_loss": (opt, min_loss), "min_state": (with_acc, min_state),
+    "ga": (tx, ga_step), "ga_u2": (tx, ga_u2), "ga_uk": (tx, ga_uk),
   }  # fmt: skip
+  p0 = init(jax.random.key(0), sizes)
+  temp = {
+    n: int(f.lower(p0, o.init(p0), batch).compile().memory_analysis().temp_size_in_bytes)
+    for n, (o, f) in programs.items()
+  }
 
   @jit
   def ga_micro(p, s, mb):
@@ -272,21 +272,6 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
     "ratio": {n: statistics.median(r) for n, r in ratios.items()},
     "ratio_min": {n: min(r) for n, r in ratios.items()},
     "ratio_max": {n: max(r) for n, r in ratios.items()},
-    "ga_vs_min_scan": statistics.median(
-      [g / m for g, m in zip(samples["ga"], samples["min_scan"], strict=True)]
-    ),
-    "ga_vs_min_guard": statistics.median(
-      [g / m for g, m in zip(samples["ga"], samples["min_guard"], strict=True)]
-    ),
-    "ga_vs_min_loss": statistics.median(
-      [g / m for g, m in zip(samples["ga"], samples["min_loss"], strict=True)]
-    ),
-    "ga_vs_min_state": statistics.median(
-      [g / m for g, m in zip(samples["ga"], samples["min_state"], strict=True)]
-    ),
-    "ga_vs_microbat": statistics.median(
-      [g / m for g, m in zip(samples["ga"], samples["microbat"], strict=True)]
-    ),
     "stream_vs_ms_loop": statistics.median(
       [g / m for g, m in zip(samples["ga_stream"], samples["ms_loop"], strict=True)]
     ),
@@ -295,7 +280,10 @@ def measure(opt_name, k, b, sizes, rounds, reps, min_sample_s=0.0, single_s=0.0)
     ),
     **{
       f"{g}_vs_{m}": statistics.median([x / y for x, y in zip(samples[g], samples[m], strict=True)])
-      for g, m in (("ga_u2", "min_u2"), ("ga_uk", "min_uk"), ("ga_u2", "min_scan"), ("ga_uk", "min_scan"))
+      for g, m in (
+        *(("ga", m) for m in ("min_scan", "min_guard", "min_loss", "min_state", "microbat")),
+        ("ga_u2", "min_u2"), ("ga_uk", "min_uk"), ("ga_u2", "min_scan"), ("ga_uk", "min_scan"),
+      )
     },
     "temp_bytes": temp,
     "max_abs_diff_to_plain": err,
