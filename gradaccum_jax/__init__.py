@@ -20,6 +20,7 @@ from gradaccum_jax._inspect import StepReport as StepReport
 from gradaccum_jax._inspect import inspect_step as inspect_step
 from gradaccum_jax._lr import scale_adam_hyperparams as scale_adam_hyperparams
 from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate
+from gradaccum_jax._lr import scale_weight_decay as scale_weight_decay
 from gradaccum_jax._micro_step import micro_step as micro_step
 from gradaccum_jax._microbatch import microbatch as microbatch
 from gradaccum_jax._microbatch import value_and_grad as value_and_grad
@@ -62,6 +63,7 @@ __all__ = (
   "noise_scale",
   "scale_adam_hyperparams",
   "scale_learning_rate",
+  "scale_weight_decay",
   "step_memory",
   "train_step",
   "value_and_grad",

@@ -9,7 +9,7 @@ from typing import Any
 
 import optax
 
-from gradaccum_jax._checks import check_choice, check_int, check_positive_int
+from gradaccum_jax._checks import check_choice, check_int, check_positive_int, check_real
 
 _RULES = {"linear": lambda kappa: kappa, "sqrt": math.sqrt, "none": lambda kappa: 1.0}
 _WARMUP_FROM = {"base": 1.0, "zero": 0.0}  # the multiplier the warmup starts from
@@ -31,40 +31,28 @@ def scale_learning_rate(
   warmup_steps: int = 0,
   warmup_from: str = "base",
 ) -> float | Callable[[Any], Any]:
-  r"""Scales a learning rate tuned at ``base_batch_size`` for a batch of ``batch_size``.
+  """Scales a learning rate tuned at ``base_batch_size`` for a batch of ``batch_size``.
 
-  The learning rate is multiplied by a factor ``f`` of :math:`\kappa` = ``batch_size /
-  base_batch_size``; with warmup, at step ``count``, by ``f0 + (f - f0) * min(count /
-  warmup_steps, 1)``. Starting points to tune around (the rules' sources and where they hold:
-  docs/choosing_k.md).
+  η → f η, f = κ, √κ or 1 by ``rule``, κ = ``batch_size / base_batch_size``; warmup ramps to f.
 
   Args:
     learning_rate: a float or an optax schedule, tuned at ``base_batch_size``.
-    base_batch_size: the examples per step it was tuned for, a positive int.
-    batch_size: the effective batch size (``k * b`` with accumulation), a positive int.
-    rule: ``f`` is :math:`\kappa` (``"linear"``), :math:`\sqrt{\kappa}` (``"sqrt"``, for
-      Adam-type optimizers, with :func:`scale_adam_hyperparams`) or 1 (``"none"``).
+    base_batch_size, batch_size: the tuned and the effective (``k * b``) batch, positive ints.
+    rule: ``"linear"``, ``"sqrt"`` (Adam-type optimizers) or ``"none"``.
     warmup_steps: optimizer steps (windows, not micro-batches) of linear warmup; 0 for none.
-    warmup_from: ``f0`` is 1 (``"base"``, the unscaled learning rate) or 0 (``"zero"``).
+    warmup_from: ``"base"`` (the warmup starts at ``learning_rate``) or ``"zero"``.
 
   Returns:
     A float for a float ``learning_rate`` without warmup, else a schedule ``count -> lr``.
 
-  Raises:
-    ValueError: an unknown ``rule`` or ``warmup_from``, a batch size ``<= 0``, warmup ``< 0``.
-    TypeError: a batch size or warmup not an int, a ``learning_rate`` not a number or callable.
-
   Examples:
     >>> import gradaccum_jax as ga
-    >>> ga.scale_learning_rate(0.1, base_batch_size=256, batch_size=1024)
-    0.4
-    >>> schedule = ga.scale_learning_rate(0.1, 256, 1024, warmup_steps=100)
-    >>> [round(float(schedule(n)), 6) for n in (0, 50, 100, 1000)]
-    [0.1, 0.25, 0.4, 0.4]
+    >>> warm = ga.scale_learning_rate(0.1, 256, 1024, warmup_steps=100)  # 0.1 -> 0.4 in 100 steps
+    >>> ga.scale_learning_rate(0.1, base_batch_size=256, batch_size=1024), float(warm(50))
+    (0.4, 0.25)
 
   References:
-    Goyal et al. 2017, https://arxiv.org/abs/1706.02677; Malladi et al. 2022,
-    https://arxiv.org/abs/2205.10287.
+    Goyal et al., https://arxiv.org/abs/1706.02677; Malladi et al., https://arxiv.org/abs/2205.10287
   """
   kappa = _kappa(base_batch_size, batch_size)
   if rule not in _RULES:
@@ -116,45 +104,27 @@ def scale_adam_hyperparams(
   *,
   rule: str = "sqrt",
 ) -> tuple[float, float, float]:
-  r"""Adam's ``b1``, ``b2`` and ``eps`` tuned at ``base_batch_size``, for ``batch_size``.
+  """Adam's ``b1``, ``b2`` and ``eps`` tuned at ``base_batch_size``, for ``batch_size``.
 
-  With :math:`\kappa` = ``batch_size / base_batch_size`` (:math:`\kappa = 1`: the inputs):
-
-  - ``rule="sqrt"`` (Malladi et al.): :math:`1 - \beta_i \to \kappa (1 - \beta_i)` for both
-    betas and :math:`\epsilon \to \epsilon / \sqrt{\kappa}`; needs :math:`\kappa (1 - \beta_i)
-    \le 1`. The learning rate goes with ``scale_learning_rate(..., rule="sqrt")``.
-  - ``rule="half_life"`` (Marek et al.): :math:`\beta_2 \to \beta_2^{\kappa}`, which keeps
-    ``b2``'s half-life fixed in examples (tokens), for every :math:`\kappa`; ``b1`` and ``eps``
-    are returned unchanged. To first order in :math:`1 - \beta_2` it is the ``"sqrt"`` rule's
-    ``b2``: :math:`\beta_2^{\kappa} = 1 - \kappa (1 - \beta_2) + O((1 - \beta_2)^2)`.
-    Sources, derivations and limits: docs/choosing_k.md.
+  ``"sqrt"``: 1 − βᵢ → κ (1 − βᵢ), ε → ε / √κ; ``"half_life"``: β₂ → β₂^κ (docs/choosing_k.md).
 
   Args:
-    b1, b2: Adam's first- and second-moment decays, in ``[0, 1)``.
-    eps: Adam's epsilon, ``>= 0``.
-    base_batch_size: the batch size they were tuned for.
-    batch_size: the effective batch size to train with (``k * b``).
-    rule: ``"sqrt"`` (the default) or ``"half_life"``.
+    b1, b2, eps: Adam's first- and second-moment decays, in ``[0, 1)``, and epsilon, ``>= 0``.
+    base_batch_size, batch_size: as in :func:`scale_learning_rate`, κ their ratio.
+    rule: ``"sqrt"`` (with ``scale_learning_rate(..., rule="sqrt")``) or ``"half_life"``.
 
   Returns:
     The tuple ``(b1, b2, eps)`` for ``batch_size``.
-
-  Raises:
-    ValueError: with ``rule="sqrt"``, a beta with ``kappa * (1 - beta) > 1``; a beta outside
-      ``[0, 1)``, ``eps < 0``, a batch size ``<= 0`` or an unknown ``rule``.
-    TypeError: a batch size that is not an int.
 
   Examples:
     >>> import gradaccum_jax as ga
     >>> [round(x, 12) for x in ga.scale_adam_hyperparams(0.9, 0.999, 1e-8, 256, 1024)]
     [0.6, 0.996, 5e-09]
-    >>> b1, b2, eps = ga.scale_adam_hyperparams(0.9, 0.95, 1e-8, 256, 512, rule="half_life")
-    >>> b1, round(b2, 12), eps  # b2 = 0.95 ** 2
+    >>> ga.scale_adam_hyperparams(0.9, 0.95, 1e-8, 256, 512, rule="half_life")  # b2 = 0.95**2
     (0.9, 0.9025, 1e-08)
 
   References:
-    Malladi et al. 2022, https://arxiv.org/abs/2205.10287; Marek et al. 2025,
-    https://arxiv.org/abs/2507.07101.
+    Malladi et al., https://arxiv.org/abs/2205.10287; Marek et al., https://arxiv.org/abs/2507.07101
   """
   kappa = _kappa(base_batch_size, batch_size)
   check_choice(rule, "rule", ("sqrt", "half_life"), "scale_adam_hyperparams")
@@ -170,3 +140,33 @@ def scale_adam_hyperparams(
   base, batch = operator.index(base_batch_size), operator.index(batch_size)
   b1, b2 = _sqrt_rule_beta("b1", b1, base, batch), _sqrt_rule_beta("b2", b2, base, batch)
   return b1, b2, eps / math.sqrt(kappa)
+
+
+def scale_weight_decay(
+  weight_decay: float, base_batch_size: int, batch_size: int, *, lr_rule: str = "none"
+) -> float:
+  """Scales AdamW's weight decay tuned at ``base_batch_size`` for a batch of ``batch_size``.
+
+  λ → κ λ / f keeps AdamW's timescale B / (η λ D) fixed (docs/choosing_k.md).
+
+  Args:
+    weight_decay: ``optax.adamw``'s ``weight_decay`` λ, ``>= 0``, tuned at ``base_batch_size``.
+    base_batch_size, batch_size: as in :func:`scale_learning_rate`, κ their ratio.
+    lr_rule: the ``rule`` that scaled the learning rate η by f; ``"none"`` (f = 1): λ → κ λ.
+
+  Returns:
+    The weight decay for ``batch_size``, a float.
+
+  Examples:
+    >>> import gradaccum_jax as ga
+    >>> [ga.scale_weight_decay(0.1, 256, 1024, lr_rule=r) for r in ("none", "sqrt", "linear")]
+    [0.4, 0.2, 0.1]
+
+  References:
+    Bergsma et al., https://arxiv.org/abs/2505.13738
+  """
+  kappa = _kappa(base_batch_size, batch_size)
+  check_choice(lr_rule, "lr_rule", tuple(_RULES), "scale_weight_decay")
+  if not check_real(weight_decay, f"scale_weight_decay: {weight_decay=} must be a float") >= 0:
+    raise ValueError(f"scale_weight_decay: {weight_decay=} must be >= 0 (0 for no decay).")
+  return float(weight_decay) * kappa / _RULES[lr_rule](kappa)

@@ -224,3 +224,80 @@ def test_scale_adam_hyperparams_errors(kwargs, error, pattern):
 def test_scale_learning_rate_errors(args, kwargs, error, pattern):
   with pytest.raises(error, match=pattern):
     ga.scale_learning_rate(*args, **kwargs)
+
+
+LR_FACTORS = {"linear": lambda kappa: kappa, "sqrt": math.sqrt, "none": lambda kappa: 1.0}
+
+
+@pytest.mark.parametrize("lr_rule", list(LR_FACTORS))
+@pytest.mark.parametrize(("base", "size"), [(256, 1024), (1024, 256), (100, 300)])
+def test_scale_weight_decay_closed_form(lr_rule, base, size):
+  """lambda -> kappa lambda / f, f the learning rate's factor under lr_rule."""
+  kappa = size / base
+  out = ga.scale_weight_decay(0.05, base, size, lr_rule=lr_rule)
+  assert isinstance(out, float)
+  assert out == pytest.approx(0.05 * kappa / LR_FACTORS[lr_rule](kappa), rel=1e-15)
+  assert ga.scale_weight_decay(0.05, base, base, lr_rule=lr_rule) == 0.05  # kappa = 1
+  assert ga.scale_weight_decay(0, base, size, lr_rule=lr_rule) == 0.0
+
+
+def test_scale_weight_decay_by_hand():
+  assert ga.scale_weight_decay(0.1, 256, 1024) == pytest.approx(0.4)  # the paper's rule
+  assert ga.scale_weight_decay(0.1, 256, 1024, lr_rule="sqrt") == pytest.approx(0.2)
+  assert ga.scale_weight_decay(0.1, 256, 1024, lr_rule="linear") == 0.1
+  assert ga.scale_weight_decay(0.1, 1024, 256) == pytest.approx(0.025)
+  assert ga.scale_weight_decay(0.1, 1024, 256, lr_rule="sqrt") == pytest.approx(0.05)
+  assert ga.scale_weight_decay(0.1, np.int64(100), np.int32(300)) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("lr_rule", list(LR_FACTORS))
+@pytest.mark.parametrize(("base", "size"), [(256, 1024), (1024, 256), (32, 2048), (7, 3)])
+def test_scale_weight_decay_holds_the_timescale(lr_rule, base, size):
+  """With the learning rate scaled by the same rule, lr * wd / B (the fraction of the weights
+  decayed per example) is the base setting's: the timescale B / (lr wd D) is unchanged."""
+  lr = ga.scale_learning_rate(3e-4, base, size, rule=lr_rule)
+  wd = ga.scale_weight_decay(0.1, base, size, lr_rule=lr_rule)
+  assert lr * wd / size == pytest.approx(3e-4 * 0.1 / base, rel=1e-12)
+
+
+@pytest.mark.parametrize("lr_rule", list(LR_FACTORS))
+@pytest.mark.parametrize(("base", "size"), [(64, 256), (256, 64)])
+def test_scale_weight_decay_optax_adamw_decays_as_much_per_example(lr_rule, base, size):
+  """optax.adamw applies p <- p - lr (u + wd p); with zero gradients u = 0, so a window of
+  ``size`` examples (k micro-batches through ga.accumulate) multiplies p by 1 - lr' wd', and per
+  example that is the base setting's decay, measured by one optax.adamw step at ``base``."""
+  lr = ga.scale_learning_rate(0.1, base, size, rule=lr_rule)
+  wd = ga.scale_weight_decay(0.5, base, size, lr_rule=lr_rule)
+  params = jnp.array([1.0, -2.0, 0.5, 4.0])  # powers of two: p / params is exact
+  zeros = jnp.zeros_like(params)
+
+  def decay(tx, steps):
+    state, p = tx.init(params), params
+    for _ in range(steps):
+      updates, state = tx.update(zeros, state, p)
+      p = optax.apply_updates(p, updates)
+    return 1.0 - np.asarray(p) / np.asarray(params)
+
+  k = max(size // base, 1)
+  scaled = decay(ga.accumulate(optax.adamw(lr, weight_decay=wd), num_microbatches=k), k)
+  np.testing.assert_allclose(scaled, lr * wd, rtol=1e-5)
+  unscaled = decay(optax.adamw(0.1, weight_decay=0.5), 1)
+  np.testing.assert_allclose(scaled / size, unscaled / base, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  ("args", "kwargs", "error", "pattern"),
+  [
+    ((-0.1, 8, 16), {}, ValueError, r"scale_weight_decay: weight_decay=-0.1 must be >= 0"),
+    ((math.nan, 8, 16), {}, ValueError, r"weight_decay=nan must be >= 0"),
+    (("0.1", 8, 16), {}, TypeError, r"weight_decay='0.1' must be a float, got '0.1'"),
+    ((True, 8, 16), {}, TypeError, r"weight_decay=True must be a float"),
+    ((0.1, 8, 16), {"lr_rule": "half_life"}, ValueError, r"lr_rule='half_life' must be one of"),
+    ((0.1, 0, 16), {}, ValueError, r"base_batch_size=0 must be a positive int"),
+    ((0.1, 8, 16.0), {}, TypeError, r"batch_size=16.0 must be a positive int"),
+    ((0.1, 8, 16, "sqrt"), {}, TypeError, r"positional argument"),  # lr_rule is keyword-only
+  ],
+)
+def test_scale_weight_decay_errors(args, kwargs, error, pattern):
+  with pytest.raises(error, match=pattern):
+    ga.scale_weight_decay(*args, **kwargs)

@@ -38,6 +38,7 @@ def test_public_names_are_reexported():
       "noise_scale",
       "scale_adam_hyperparams",
       "scale_learning_rate",
+      "scale_weight_decay",
       "step_memory",
       "train_step",
       "value_and_grad",
