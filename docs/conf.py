@@ -1,12 +1,15 @@
 """Sphinx configuration: API pages from the docstrings (autodoc + napoleon), pages in MyST
-markdown, and the notebooks rendered as stored (not executed) by myst-nb; sphinx-book-theme (as
-optax), a copy button on code blocks (sphinx-copybutton), and MathJax served from the built site
-itself (sphinx-mathjax-offline copies MathJax 3 into ``_static/mathjax``), so that math renders
-without a network.
+markdown, and the notebooks executed at build time and rendered with their outputs by myst-nb;
+sphinx-book-theme (as optax), a copy button on code blocks (sphinx-copybutton), and MathJax served
+from the built site itself (sphinx-mathjax-offline copies MathJax 3 into ``_static/mathjax``), so
+that math renders without a network.
 
-Build: ``sphinx-build -W -b html docs /tmp/docs_html`` (``tests/test_docs.py`` does).
+Build: ``sphinx-build -W -b html docs /tmp/docs_html`` (``tests/test_docs.py`` does); running the
+notebooks takes one to two minutes of it on 2 CPU cores. ``-D nb_execution_mode=off`` renders them as
+stored, without outputs, in seconds.
 """
 
+import os
 import pathlib
 
 import gradaccum_jax
@@ -41,8 +44,17 @@ def _sync(folder: pathlib.Path, files: dict[str, bytes]) -> None:
 
 # The notebooks live in notebooks/ at the repository root, outside this source folder; copy
 # every one of them (by glob, so new notebooks need no change here) into docs/notebooks/,
-# which is generated and ignored by git. notebooks.md lists them with a globbing toctree.
-_sync(DOCS / "notebooks", {p.name: p.read_bytes() for p in (ROOT / "notebooks").glob("*.ipynb")})
+# which is generated and ignored by git. notebooks.md lists them with a globbing toctree. A link
+# from a notebook into docs/ (the Colab badge's image, docs/_static/colab-badge.svg) is written
+# from notebooks/, as GitHub resolves it; from the copy one folder deeper in docs/ the same file
+# is one "../docs" shorter.
+_sync(
+  DOCS / "notebooks",
+  {
+    p.name: p.read_bytes().replace(b"](../docs/", b"](../")
+    for p in (ROOT / "notebooks").glob("*.ipynb")
+  },
+)
 
 # The benchmark report: benchmarks/README.md and every markdown file under benchmarks/results/
 # (a run_all.py REPORT.md, each script's tables), each on its own page that includes the file
@@ -58,7 +70,21 @@ for _md in [_BENCH / "README.md", *sorted((_BENCH / "results").rglob("*.md"))]:
   )
 _sync(DOCS / "benchmark_results", _pages)
 
-nb_execution_mode = "off"  # render as stored: the test suite executes the notebooks
+# The notebooks are stored without outputs; every build runs each top to bottom in a fresh
+# kernel (a failing cell fails the build) and renders it with its printed outputs and plots.
+# tests/test_docs.py checks those in the built pages. The kernels inherit this environment: the
+# notebooks' CPU-sized run (GA_NOTEBOOK_SMALL), and 8 CPU devices so that their data-parallel
+# cells split the batch as over a TPU's 8 cores (tests/conftest.py sets the same). A value the
+# user set is kept.
+nb_execution_mode = "force"
+nb_execution_timeout = 300  # seconds per cell
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True  # a failing cell's traceback in the build's log
+nb_merge_streams = True  # the lines a cell prints in a loop in one block, not one box each
+os.environ.setdefault("GA_NOTEBOOK_SMALL", "1")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = _flags.strip()
 myst_enable_extensions = ["dollarmath"]
 myst_heading_anchors = 3
 
@@ -85,7 +111,8 @@ html_theme_options = {
   # The comparison's wide tables get the whole width: no table of contents beside them.
   "secondary_sidebar_items": {"**": ["page-toc.html"], "comparison": []},
 }
-# custom.css: code blocks scroll sideways and keep their lines, identifiers never break inside,
+# custom.css: code blocks scroll sideways and keep their lines (a notebook's cells and outputs
+# wrap at a space instead), identifiers never break inside,
 # the text column is wider on pages with tables, and a table too wide for a phone's screen
 # becomes one card per row (custom.js labels the cells with their headers).
 html_static_path = ["_static"]

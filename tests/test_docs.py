@@ -1,11 +1,13 @@
 """The docs: every public name has an API entry, relative links resolve, snippets run, and the
-Sphinx site builds with warnings as errors."""
+Sphinx site builds with warnings as errors, the notebooks executed into it with their outputs."""
 
+import os
 import pathlib
 import re
 import subprocess
 import sys
 import textwrap
+from html.parser import HTMLParser
 
 import jax
 import jax.numpy as jnp
@@ -283,8 +285,74 @@ def test_docs_python_blocks_run():
   assert not others, f"python blocks not run by this test: {others}"
 
 
+NOTEBOOK_OUTPUTS = {  # notebook: (texts its printed outputs contain, number of inline plots)
+  "gradient_accumulation": (
+    ["max |params DP - single device|", "StepReport: 1 loop(s)", "whole batch: equivalent"],
+    2,
+  ),
+  "token_weighted_lm": (
+    [
+      "NOT equivalent",
+      "likely reason (weighting)",
+      "weight_fn=lambda mb: mb['mask'].sum()",
+      "loss of the first window: big batch",
+      "on 8 devices",  # the data-parallel cell ran (conftest.py's 8 CPU devices)
+      "notebook ran in",
+    ],
+    1,
+  ),
+}
+
+
+class CellOutputs(HTMLParser):
+  """What a notebook page (myst-nb) shows below its code cells: the printed text (stdout and
+  stderr, not the code or the prose) and the images."""
+
+  def __init__(self, page: str):
+    super().__init__()
+    self.divs: list[str] = []  # the classes of the open <div>s, outermost first
+    self.text: list[str] = []
+    self.images: list[str] = []  # src of each <img> in a cell's output
+    self.feed(page)
+    self.close()
+
+  def inside(self, cls):
+    return any(cls in classes.split() for classes in self.divs)
+
+  def handle_starttag(self, tag, attrs):
+    if tag == "div":
+      self.divs.append(dict(attrs).get("class") or "")
+    elif tag == "img" and self.inside("cell_output"):
+      self.images.append(dict(attrs)["src"])
+
+  def handle_endtag(self, tag):
+    if tag == "div":
+      self.divs.pop()
+
+  def handle_data(self, data):
+    if self.inside("cell_output") and (self.inside("stream") or self.inside("stderr")):
+      self.text.append(data)
+
+
 @pytest.mark.slow
 def test_sphinx_builds_without_warnings(tmp_path):
+  """The site builds with warnings as errors; the notebooks run top to bottom in it (a failing
+  cell fails the build) and their pages show what they print and their plots."""
+  from ipykernel.kernelspec import install
+
+  # The notebooks' kernels: a "python3" kernelspec that launches this interpreter, found first
+  # through JUPYTER_PATH, so that they run in this (possibly fresh) virtual environment whatever
+  # kernels the user has installed; they import this checkout's gradaccum_jax, installed or not.
+  # They inherit the rest of the environment, conftest.py's 8 CPU devices included, so that the
+  # data-parallel cells are exercised, and run at the notebooks' CPU size.
+  install(kernel_name="python3", prefix=str(tmp_path / "kernel"))
+  env = dict(os.environ, GA_NOTEBOOK_SMALL="1")
+  for name, first in (
+    ("JUPYTER_PATH", tmp_path / "kernel" / "share" / "jupyter"),
+    ("PYTHONPATH", ROOT),
+  ):
+    env[name] = os.pathsep.join(p for p in (str(first), os.environ.get(name, "")) if p)
+  site = tmp_path / "html"
   proc = subprocess.run(
     [
       sys.executable,
@@ -296,35 +364,49 @@ def test_sphinx_builds_without_warnings(tmp_path):
       "-b",
       "html",
       str(DOCS),
-      str(tmp_path),
+      str(site),
     ],
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=900,
+    env=env,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  index = (tmp_path / "index.html").read_text()
+  index = (site / "index.html").read_text()
   assert "Should I switch from" in index and "Compared with other tools" in index  # the README
   for page in ("api/transformation.html", "api/sizing.html", "notebooks.html", "comparison.html"):
-    assert (tmp_path / page).is_file(), page
+    assert (site / page).is_file(), page
   assert 'href="comparison.html"' in index  # in the toctree, and linked from the decision table
   notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
-  assert notebooks and all((tmp_path / "notebooks" / f"{n}.html").is_file() for n in notebooks)
-  api = (tmp_path / "api" / "transformation.html").read_text()
+  assert notebooks == sorted(NOTEBOOK_OUTPUTS), "a notebook needs its expected outputs here"
+  for name, (expected, num_plots) in NOTEBOOK_OUTPUTS.items():
+    page = (site / "notebooks" / f"{name}.html").read_text()
+    outputs = CellOutputs(page)
+    text = "".join(outputs.text)
+    for snippet in expected:
+      assert snippet in text, (name, snippet)
+    plots = [src for src in outputs.images if src.endswith(".png")]
+    assert len(plots) == len(outputs.images) == num_plots, (name, outputs.images)
+    assert all((site / "notebooks" / src).is_file() for src in plots), plots
+    # The Colab badge is the site's own copy (it shows offline); notebook code cells are there
+    # for custom.css to wrap.
+    assert '<img alt="Open In Colab" src="../_images/colab-badge.svg" />' in page, name
+    assert 'class="cell_input' in page and "custom.css" in page, name
+  api = (site / "api" / "transformation.html").read_text()
   assert 'id="gradaccum_jax.accumulate"' in api  # autodoc rendered, not printed as text
   # Signatures show defaults as written (autodoc_preserve_defaults), not their repr.
   assert "jnp.float32" in api and "&lt;class" not in api
   assert "sphinx-book-theme" in index and "copybutton.js" in index  # the theme, the button
   assert "custom.css" in index and "custom.js" in index  # code scrolls, tables fit (docs/_static)
   # Math renders offline: MathJax is loaded from the site itself, and no page loads a script,
-  # stylesheet or font from the network.
+  # stylesheet, image (the Colab badge) or font from the network.
   assert 'class="math' in api and 'src="../_static/mathjax/tex-chtml.js"' in api
-  assert (tmp_path / "_static" / "mathjax" / "tex-chtml.js").is_file()
-  fonts = tmp_path / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+  assert (site / "_static" / "mathjax" / "tex-chtml.js").is_file()
+  fonts = site / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
   assert any(fonts.glob("*.woff")), "MathJax's fonts are not in the site"
-  remote = re.compile(r"<(?:script|link)\b[^>]*\b(?:src|href)=\"(?:https?:)?//[^\"]*\"")
-  for html in tmp_path.rglob("*.html"):
+  remote = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=\"(?:https?:)?//[^\"]*\"")
+  for html in site.rglob("*.html"):
     found = remote.findall(html.read_text())
-    assert not found, f"{html.relative_to(tmp_path)} loads from the network: {found}"
-  css = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "_static").rglob("*.css"))
+    assert not found, f"{html.relative_to(site)} loads from the network: {found}"
+  css = "\n".join(p.read_text(errors="replace") for p in (site / "_static").rglob("*.css"))
   assert not re.findall(r"url\([\"']?(?:https?:)?//", css), "a stylesheet loads from the network"
