@@ -7,13 +7,15 @@ bytes a call holds (deterministic). Programs, each on a batch of k micro-batches
   min_scan            a hand-written lax.scan of the micro-batch gradients from zeros, their
                       mean, one inner update (params and state donated): the floor
   min_scan_undonated  the same, not donated
+  min_state_undonated the same with the accumulator in its state, taken and returned (written
+                      back as zeros), as an undonated ga step must: the floor of ga_undonated
   ga                  ga.train_step(..., donate=True)
   ga_undonated        ga.train_step(...)
   microbatching       optax.microbatching.microbatch(jax.grad(loss)) then the update, donated
   multisteps_call     one donated call of optax.MultiSteps (a window is k such calls)
 
 A is one float32 copy of the params. The targets (tests/test_memory.py asserts them):
-ga <= min_scan + 0.05 A and ga_undonated <= min_scan_undonated + 2.05 A, for every k.
+ga <= min_scan + 0.05 A and ga_undonated <= min_state_undonated + 0.1 A, for every k.
 
 On a mesh of 8 (CPU) devices, per device, the MLP replicated and FSDP (every matrix sharded
 on its first dimension): ``mesh_min_scan`` is the hand-written floor under ``jax.shard_map``
@@ -102,6 +104,24 @@ def min_scan(loss_fn, inner, k):
   return step
 
 
+def min_state(loss_fn, inner, k):
+  """The floor of a step whose state keeps the accumulator (as ``AccumulateState.acc_grads``
+  does): the scan from it, the mean, one update, the accumulator written back as zeros."""
+
+  def step(params, state, batch):
+    opt_state, acc = state
+
+    def body(acc, i):
+      mb = ga.microbatch(batch, i, k)
+      return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(params, mb)), None
+
+    acc, _ = jax.lax.scan(body, acc, jnp.arange(k))
+    updates, opt_state = inner.update(jax.tree.map(lambda a: a / k, acc), opt_state, params)
+    return optax.apply_updates(params, updates), (opt_state, jax.tree.map(jnp.zeros_like, acc))
+
+  return step
+
+
 def microbatching(loss_fn, inner, k):
   def step(params, state, batch):
     b = jax.tree.leaves(batch)[0].shape[0] // k
@@ -146,6 +166,9 @@ def window_bytes(model: str, k: int, inner=None) -> dict[str, int]:
   out["min_scan"] = peak(donated(min_scan(loss_fn, inner, k)).lower(params, state, batch).compile())
   out["min_scan_undonated"] = peak(
     jax.jit(min_scan(loss_fn, inner, k)).lower(params, state, batch).compile()
+  )
+  out["min_state_undonated"] = peak(
+    jax.jit(min_state(loss_fn, inner, k)).lower(params, (state, params), batch).compile()
   )
   for name, donate in (("ga", True), ("ga_undonated", False)):
     step = ga.train_step(loss_fn, tx, donate=donate)
@@ -349,15 +372,17 @@ def excess(row: dict[str, int]) -> dict[str, float]:
   """ga's peak over the floor's, in A: donated and undonated."""
   return {
     "ga": (row["ga"] - row["min_scan"]) / row["A"],
-    "ga_undonated": (row["ga_undonated"] - row["min_scan_undonated"]) / row["A"],
+    "ga_undonated": (row["ga_undonated"] - row["min_state_undonated"]) / row["A"],
   }
 
 
 def report(rows: dict[str, dict[int, dict[str, int]]]) -> str:
-  names = ["min_scan", "ga", "min_scan_undonated", "ga_undonated", "microbatching",
-           "multisteps_call"]  # fmt: skip
+  names = ["min_scan", "ga", "min_scan_undonated", "min_state_undonated", "ga_undonated",
+           "microbatching", "multisteps_call"]  # fmt: skip
   lines = [
-    "| model | k | A MiB | " + " | ".join(names) + " | ga - min_scan (A) | undonated (A) |",
+    "| model | k | A MiB | "
+    + " | ".join(names)
+    + " | ga - min_scan (A) | ga_undonated - min_state_undonated (A) |",
     "|---" * (len(names) + 5) + "|",
   ]
   for model, by_k in rows.items():

@@ -309,7 +309,9 @@ def time_methods(
 
 
 def sds(tree: Any, dev: jax.Device) -> Any:
-  sharding = jax.sharding.SingleDeviceSharding(dev)
+  sharding = jax.sharding.NamedSharding(
+    jax.sharding.Mesh([dev], ("one",)), jax.sharding.PartitionSpec()
+  )
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
 
 

@@ -391,6 +391,13 @@ class Accumulator:
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
   ) -> tuple[Updates, AccumulateState]:
     """Closes the open window now; an empty one (no micro-step) changes nothing."""
+    if self.privacy is not None:
+      raise ValueError(
+        "ga.flush: a DP transformation (ga.dp_accumulate) divides every window's noisy sum by"
+        " expected_batch_size, so a window closed early would be a different mechanism than the"
+        " one accounted for (docs/privacy.md). Let every window close at k micro-batches: with"
+        " Poisson sampling pad a short batch (weight_fn 0) instead of flushing it."
+      )
     state = self.check_state(state)
     held = state._replace(updated=jnp.zeros((), bool))
     grad_like = state.acc_grads if params is None else params

@@ -187,21 +187,26 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
   return batch_size
 
 
-def check_weight(weight: Any, what: str = "weight") -> jax.Array:
-  """A scalar float32 weight, or an error naming what gave it and its shape."""
-  if not (hasattr(weight, "shape") or isinstance(weight, int | float)):
-    raise TypeError(
-      f"{what} must be a scalar number (the examples or tokens in the micro-batch), got"
-      f" {type(weight).__name__}: {weight!r:.80}."
-    )
-  if jnp.shape(weight) != ():
+def check_weight(
+  weight: Any, what: str = "weight", means: str = "the examples or tokens in the micro-batch"
+) -> jax.Array:
+  """A scalar float32 weight, or an error naming what gave it, its shape and what it ``means``."""
+  number = hasattr(weight, "shape") or isinstance(weight, int | float)
+  if number and jnp.shape(weight) != ():
     raise ValueError(
-      f"{what} must be a scalar (the number of examples or tokens in the micro-batch), got an"
-      f" array of shape {jnp.shape(weight)}. Reduce it, e.g. to mask.sum()."
+      f"{what} must be a scalar ({means}), got an array of shape {jnp.shape(weight)}. Reduce it,"
+      " e.g. to mask.sum()."
     )
-  if isinstance(weight, int | float) and weight < 0:  # concrete: refuse now (NaN voids)
-    raise ValueError(f"{what} is {weight!r}; weights must be >= 0 (examples or tokens).")
-  return jnp.asarray(weight, jnp.float32)
+  if number and isinstance(weight, int | float) and weight < 0:  # concrete: refuse now
+    raise ValueError(f"{what} is {weight!r}; weights must be >= 0 ({means}).")
+  try:
+    if number:
+      return jnp.asarray(weight, jnp.float32)
+  except TypeError:  # an array JAX cannot hold (strings)
+    pass
+  raise TypeError(
+    f"{what} must be a scalar number ({means}), got {type(weight).__name__}: {weight!r:.80}."
+  )
 
 
 def check_same_structure(grads: Any, reference: Any, what: str) -> None:

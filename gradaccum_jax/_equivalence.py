@@ -288,9 +288,9 @@ class StepCheck:
   """The result of :func:`check_step`; ``str(check)`` is a table of the leaves.
 
   Attributes:
-    ok: the step's gradient within ``rtol`` where it was read, every update entry within
-      ``rtol * scale`` or within what ``inner_tx`` makes of a gradient within ``rtol``, and
-      something compared (a zero reference update with the gradient unread is not ``ok``).
+    ok: the step's gradient read and within ``rtol``, and every update entry within ``rtol *
+      scale`` or within what ``inner_tx`` makes of a gradient within ``rtol``; never with the
+      gradient unread (``verdict`` is then ``"not verified"``).
     rtol: the tolerance used.
     scale: the largest entry of the reference update ``|p_ref - p|``.
     max_abs: ``{leaf path: max |p_step - p_ref|}``.
@@ -317,13 +317,19 @@ class StepCheck:
   optimizer_noise: tuple[str, ...] = ()
   reason: str | None = None
 
+  @property
+  def verdict(self) -> str:
+    """``"equivalent"``, ``"NOT equivalent"`` or ``"not verified"`` (the gradient unseen)."""
+    unseen = (self.reason or "").startswith("not verified")
+    return "equivalent" if self.ok else "not verified" if unseen else "NOT equivalent"
+
   def __str__(self) -> str:
     worst = max(self.max_rel.values(), default=0.0)
     error = self.max_rel_grad_error
     grad = "not read" if error is None else f"relative error {error:.3e}"
     rows = [
       "One window of the step vs the single-device whole batch:"
-      f" {'equivalent' if self.ok else 'NOT equivalent'} (rtol={self.rtol:g})",
+      f" {self.verdict} (rtol={self.rtol:g})",
       _wrap(f"gradient: {grad}, from {self.compared}"),
       f"  update:   relative error {worst:.3e} of the largest reference update, {self.scale:.3g}",
     ]
@@ -355,6 +361,13 @@ _ZERO_UPDATE = (
   " of a warm-up from 0) and the step's gradient was not read in full (compared: {}), so nothing"
   " was checked. Check at a learning rate above 0 (the optimizer without its schedule, in the"
   " step and as inner_tx), or with an optimizer whose state keeps the gradient's moments (adam)."
+)
+_NOT_VERIFIED = (
+  "not verified: the step's gradient was not read (compared: {}), and an update that agrees"
+  " says little of it (Adam's first update is about lr * sign(g), whatever the gradient's"
+  " scale). Pass inner_state= and a step whose state holds inner_tx's (ga.accumulate's, or"
+  " optax.MultiSteps'), report metrics['grad_norm'] from the step, or check it with an optimizer"
+  " that is linear in the gradient (optax.sgd) or keeps its moments (optax.adam)."
 )
 _GRADIENT_DIFFERS = (
   "the step's gradient is not the whole batch's: a gradient reduced twice or a loss scaled (by"
@@ -425,17 +438,17 @@ def check_step(
   if not check_real(rtol, "rtol must be a positive float") > 0:
     raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
   window = _run_window(step, loss_fn, params, opt_state, batch)
+  like = jax.eval_shape(inner_tx.init, window.params)
   if inner_state is None:  # the step's where it has inner_tx's structure
-    found, like = _inner_of(window.state), jax.eval_shape(inner_tx.init, window.params)
-    same = found is not None and jax.tree.structure(found) == jax.tree.structure(like)
-    inner_state = found if same else inner_tx.init(window.params)
+    found = _inner_of(window.state, like)
+    inner_state = inner_tx.init(window.params) if found is None else found
   ref = _whole_batch(window, inner_tx, has_aux, inner_state, float(rtol))
   if jax.tree.structure(window.new_params) != jax.tree.structure(ref.params):
     raise ValueError(
       f"The step's new params have the structure {jax.tree.structure(window.new_params)}, the"
       f" params {jax.tree.structure(ref.params)}: step must return (new_params, ...)."
     )
-  return _judge(window, ref, float(rtol))
+  return _judge(window, ref, float(rtol), _inner_of(window.new_state, like))
 
 
 class _Window(NamedTuple):
@@ -557,9 +570,19 @@ def _host_arguments(params, state, batch) -> Any:
   return _host((params, state, batch))
 
 
-def _inner_of(state) -> Any:
+def _inner_of(state, like) -> Any:
+  """The first subtree of ``state`` shaped as ``like`` (inner_tx's state): a ``ga`` state's
+  ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``, a wrapper's inner state; or None."""
   ga = _ga_state(state)
-  return state if ga is None else ga.inner_state
+  state = state if ga is None else ga.inner_state
+  shapes = [np.shape(x) for x in jax.tree.leaves(like)]
+
+  def fits(x):
+    leaves = jax.tree.leaves(x)
+    same = jax.tree.structure(x) == jax.tree.structure(like)
+    return same and [np.shape(v) for v in leaves] == shapes
+
+  return next((x for x in jax.tree.leaves(state, is_leaf=fits) if fits(x)), None)
 
 
 class _Reference(NamedTuple):
@@ -630,41 +653,46 @@ def _error(a, b) -> float:
   return err if np.isfinite(err) else np.inf
 
 
-def _from_state(params, states, step_new) -> tuple[dict[str, float], list[str]]:
-  """The gradient's relative error per leaf, read from the inner optimizer's new state: its
-  params-shaped float trees ``T`` (Adam's ``mu`` and ``nu``), the step's against the
-  reference's ``T(g)``, over the largest entry of the gradient's part ``T(g) - T(0)``. Trees odd
-  in ``g`` (``mu``, whose error is the gradient's) are read, else the others (``nu``)."""
-  treedef, shapes = jax.tree.structure(params), [np.shape(x) for x in jax.tree.leaves(params)]
-
-  def shaped(x):
-    leaves = jax.tree.leaves(x)
-    return (jax.tree.structure(x) == treedef and [np.shape(v) for v in leaves] == shapes
-            and all(jnp.issubdtype(np.result_type(v), jnp.inexact) for v in leaves))  # fmt: skip
-
-  def trees(state):
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=shaped)[0]
-    return [(jax.tree_util.keystr(path), jax.tree.leaves(t)) for path, t in flat if shaped(t)]
-
-  (ref, flipped, zero), mine = map(trees, states), trees(_inner_of(step_new))
-  if not ref or len(mine) != len(ref):
+def _from_state(params, states, mine) -> tuple[dict[str, float], list[str]]:
+  """The gradient's relative error per params leaf, read from the inner optimizer's new state
+  ``mine``: each float leaf whose path ends in a params leaf's path and has its shape (Adam's
+  ``mu`` and ``nu``, under any wrapper), the step's against the reference's ``T(g)``, over the
+  largest entry of the gradient's part ``T(g) - T(0)`` of its tree. Trees odd in ``g`` (``mu``,
+  whose error is the gradient's) are read, else the others (``nu``)."""
+  if mine is None or jax.tree.structure(mine) != jax.tree.structure(states[0]):
     return {}, []
-  found = []  # (odd, name, errors per leaf)
-  for (name, r), (_, rf), (_, r0), (_, m) in zip(ref, flipped, zero, mine, strict=True):
-    part = max(map(_error, r, r0))
+  paths = [
+    (jax.tree_util.keystr(p), np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)
+  ]
+  trees: dict[str, list] = {}  # tree name -> [(params leaf index, r, r(-g), r(0), mine)]
+  leaves = zip(
+    jax.tree_util.tree_leaves_with_path(states[0]),
+    *map(jax.tree.leaves, (*states[1:], mine)),
+    strict=True,
+  )
+  for (path, r), rf, r0, m in leaves:
+    key = jax.tree_util.keystr(path)
+    fits = [i for i, (p, shape) in enumerate(paths) if key.endswith(p) and np.shape(r) == shape]
+    if fits and jnp.issubdtype(np.result_type(r), jnp.inexact):
+      i = max(fits, key=lambda i: len(paths[i][0]))
+      trees.setdefault(key[: len(key) - len(paths[i][0])] or "state", []).append((i, r, rf, r0, m))
+  found = []  # (odd, name, {params leaf index: error})
+  for name, rows in trees.items():
+    part = max(_error(r, r0) for _, r, _, r0, _ in rows)
     if 0 < part < np.inf:  # T(g) + T(-g) = 2 T(0) for an odd T
-      odd = max(map(lambda a, b, c: _error(np.float64(a) + b, 2 * np.float64(c)), r, rf, r0))
-      errors = [_error(a, b) / part for a, b in zip(m, r, strict=True)]
-      found.append((odd <= 1e-3 * part, name, errors))
+      odd = max(_error(np.float64(r) + rf, 2 * np.float64(r0)) for _, r, rf, r0, _ in rows)
+      found.append((odd <= 1e-3 * part, name, {i: _error(m, r) / part for i, r, _, _, m in rows}))
   read = [f for f in found if f[0]] or found
-  paths = [jax.tree_util.keystr(p) or "params" for p, _ in jax.tree.leaves_with_path(params)]
-  errors = {p: max(f[2][i] for f in read) for i, p in enumerate(paths)} if read else {}
-  return errors, [f[1] for f in read]
+  names = [p or "params" for p, _ in paths]
+  errors = {
+    names[i]: max(f[2][i] for f in read if i in f[2]) for i in {i for f in read for i in f[2]}
+  }
+  return dict(sorted(errors.items(), key=lambda e: names.index(e[0]))), [f[1] for f in read]
 
 
-def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
-  """The verdict: the gradient where it was read, the update within what ``inner_tx`` makes of
-  a gradient within ``rtol``, and something compared."""
+def _judge(window: _Window, ref: _Reference, rtol: float, mine: Any) -> StepCheck:
+  """The verdict: the gradient where it was read (``mine``: the step's new inner state), the
+  update within what ``inner_tx`` makes of a gradient within ``rtol``, and the gradient seen."""
   paths = [jax.tree_util.keystr(p) or "params" for p, _ in jax.tree.leaves_with_path(ref.params)]
   new, old, target = (jax.tree.leaves(t) for t in (window.new_params, window.params, ref.params))
   scale = max(map(_error, target, old), default=0.0)
@@ -675,7 +703,7 @@ def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
   within = {p: bool(np.all(d <= m)) for p, d, m in zip(paths, diffs, bound, strict=True)}
   noise = tuple(p for p in paths if within[p] and not max_rel[p] <= rtol)
 
-  grad_rel, read = _from_state(window.params, ref.states, window.new_state)
+  grad_rel, read = _from_state(window.params, ref.states, mine)
   compared = [f"the inner optimizer's new state ({', '.join(read)})"] if read else []
   if not grad_rel and ref.factor is not None:  # the update is c * g: its error is g's
     top = max(float(np.max(np.abs(g), initial=0.0)) for g in jax.tree.leaves(ref.grads))
@@ -696,8 +724,8 @@ def _judge(window: _Window, ref: _Reference, rtol: float) -> StepCheck:
     reason = _GRADIENT_DIFFERS
   elif not all(within.values()):
     reason = _UPDATE_DIFFERS.format(", while its gradient is the whole batch's" if grad_rel else "")
-  else:
-    reason = None
+  else:  # the update agrees: verified only if the gradient was seen
+    reason = None if errors else _NOT_VERIFIED.format(what)
   return StepCheck(
     reason is None, rtol, scale, max_abs, max_rel, grad_rel, norm,
     max(errors) if errors else None, what, noise, reason,

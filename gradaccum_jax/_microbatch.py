@@ -200,17 +200,19 @@ def _add_into(objective: Callable[[Any], Any], refs: Any, params: Any, w: Any) -
   added into ``refs``; weighted, a micro-batch of weight ``<= 0`` runs forward only, so even a
   NaN adds nothing."""
 
+  # The params are the branches' operand, not a constant they close over: a loss that runs an
+  # nnx.scan must find them at the branch's trace level.
   @jax.named_scope(IN_PLACE_SCOPE)  # how ga.inspect_step tells (StepReport.grads_in_place)
-  def run(_):
-    out, vjp_fn, rest = jax.vjp(objective, params, has_aux=True)
+  def run(p):
+    out, vjp_fn, rest = jax.vjp(objective, p, has_aux=True)
     seed = jnp.ones_like(out) if w is None else jnp.broadcast_to(w.astype(out.dtype), out.shape)
     vjp_fn.with_refs(refs)(seed)
     return rest
 
-  def forward_only(_):
-    return objective(params)[1]
+  def forward_only(p):
+    return objective(p)[1]
 
-  return run(None) if w is None else jax.lax.cond(w > 0, run, forward_only, None)
+  return run(params) if w is None else jax.lax.cond(w > 0, run, forward_only, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,36 +278,37 @@ class MicroPass:
       vjp_fn.with_refs(self.refs)(seed)
       return ()
 
-    def nothing(_) -> Any:
-      return () if in_place else jax.tree.map(jnp.zeros_like, p)
+    def nothing(q) -> Any:
+      return () if in_place else jax.tree.map(jnp.zeros_like, q)
 
-    def one(t: str) -> Any:  # term t alone: its backward pass reads no other term
-      def run(_):
-        out, vjp_fn = jax.vjp(lambda q: f(q, only=t)[0], p)
+    # The params are each branch's operand (an nnx.scan in the loss needs them at its level).
+    def one(t: str, q: Any) -> Any:  # term t alone: its backward pass reads no other term
+      def run(q):
+        out, vjp_fn = jax.vjp(lambda q: f(q, only=t)[0], q)
         return backward(out, vjp_fn)
 
-      return jax.lax.cond(coef[t] > 0, run, nothing, None)
+      return jax.lax.cond(coef[t] > 0, run, nothing, q)
 
-    def each(_) -> Any:
+    def each(q) -> Any:
       if in_place:  # each term's backward pass adds into the Refs
         for t in opts.terms.names:
-          one(t)
+          one(t, q)
         return ()
       # Carried: a loop over the terms, one term's gradient held at a time beside the sum (in
       # place, the same loop made XLA hold one more accumulator: benchmarks/window_inputs.py).
-      branches = [lambda _, t=t: one(t) for t in opts.terms.names]
+      branches = [lambda q, t=t: one(t, q) for t in opts.terms.names]
 
       def body(j: Any, total: Any) -> Any:
-        return jax.tree.map(jnp.add, total, jax.lax.switch(j, branches, None))
+        return jax.tree.map(jnp.add, total, jax.lax.switch(j, branches, q))
 
-      return jax.lax.fori_loop(0, len(branches), body, nothing(None))
+      return jax.lax.fori_loop(0, len(branches), body, nothing(q))
 
     scope = IN_PLACE_SCOPE if in_place else CARRIED_SCOPE + (self.why or "")
     with jax.named_scope(scope):  # ga.inspect_step reads the path
       out, vjp_fn, (loss, aux, new_state, clean) = jax.vjp(
         lambda q: f(q, checked=True), p, has_aux=True
       )
-      grads = jax.lax.cond(clean, lambda _: backward(out, vjp_fn), each, None)
+      grads = jax.lax.cond(clean, lambda _: backward(out, vjp_fn), each, p)
     if fp8 is not None:
       grads, aux = fp8.split(grads, aux, w)
     return Micro(loss, aux, grads, w, new_state)
@@ -374,7 +377,8 @@ class MicrobatchedGrad:
     window totals; ``take``: a micro-batch's params, rows and key (:meth:`MicroPass.take`)."""
     p, mb, key = take(0)
     out = jax.eval_shape(lambda: opts.loss.call(p, inputs.model_state, mb, key, opts.stats)[0])
-    names = names_of(out, jax.eval_shape(opts.weighting.fn, mb), opts.where)
+    keys = jax.eval_shape(lambda m: Static(tuple(opts.weighting.fn(m))), mb).value
+    names = names_of(out, keys, opts.where)
     if opts.where == "micro_step":
       raise TypeError(refused(opts.where, list(names)))
     k = self.num_microbatches
@@ -420,7 +424,9 @@ class MicrobatchedGrad:
     num = k if num_real is None else num_real
     take = MicroPass(opts, inputs, k, per_micro).take
     if opts.window_stats is not None:  # a forward-only pass over the window, before its loop
-      stats = opts.window_stats.window(take, opts.weighting, model_state, k=k, num=num, vary=vary)
+      stats = opts.window_stats.window(
+        take, opts.weighting, model_state, k=k, num=num, vary=vary, dtype=opts.compute_dtype
+      )
       opts = dataclasses.replace(opts, stats=stats)
     if per_term(opts.weighting.fn, take(0)[1]):  # every term's window total, before the loop
       opts = opts.for_window(self.terms(opts, inputs, take, num=num, vary=vary))
@@ -450,7 +456,9 @@ class MicrobatchedGrad:
       m = one(i, model_unit.start(c[2]))
       return tuple(unit.update(part, m) for unit, part in zip(units, c, strict=True)), None
 
-    if num_real is None:  # a fixed trip count: a scan, ``unroll`` micro-batches per trip
+    if k == 1 and num_real is None:  # one micro-batch (ga.micro_step): no loop around it
+      c = body(init, jnp.zeros((), jnp.int32))[0]
+    elif num_real is None:  # a fixed trip count: a scan, ``unroll`` micro-batches per trip
       unroll = min(opts.unroll, k)
       with jax.named_scope(f"{UNROLL_SCOPE}{unroll}") if unroll > 1 else contextlib.nullcontext():
         c, _ = jax.lax.scan(body, init, jnp.arange(k), unroll=unroll)

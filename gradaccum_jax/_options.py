@@ -7,7 +7,6 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import (
@@ -19,7 +18,7 @@ from gradaccum_jax._checks import (
   check_int,
 )
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
-from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
+from gradaccum_jax._parts import AuxReducers, Weighting, cast_floats, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 from gradaccum_jax._terms import Terms, combine, refused
 from gradaccum_jax._window_stats import WindowStats
@@ -42,13 +41,11 @@ def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, A
 def check_loss(loss: Any, has_aux: bool, what: str = "loss_fn") -> Any:
   """The loss as a scalar array (Python numbers accepted, as ``jax.value_and_grad`` does), or a
   dict of them: a loss of several terms (``_terms``)."""
-  if isinstance(loss, Mapping) and loss:
+  if isinstance(loss, Mapping) and loss and what == "loss_fn":
     return {t: check_loss(x, has_aux, f"loss_fn's term {t!r}") for t, x in loss.items()}
   if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
-    raise TypeError(
-      f"{what} must return a scalar array (or a dict of them: a loss of several terms), got"
-      f" {type(loss).__name__}."
-    )
+    several = " (or a dict of them: a loss of several terms)" if what == "loss_fn" else ""
+    raise TypeError(f"{what} must return a scalar array{several}, got {type(loss).__name__}.")
   if jnp.shape(loss) != ():
     hint = "" if has_aux or what != "loss_fn" else " If it returns (loss, aux), pass has_aux=True."
     raise ValueError(
@@ -148,11 +145,7 @@ class Options:
     several terms (``_terms``) as the sums take it: ``{"loss": ..., "loss_terms": ...}``;
     ``only``: one term's alone; ``checked``: the rest also says whether every term of weight 0
     is finite."""
-    dtype = self.compute_dtype
-    if dtype is not None:  # mixed precision: float params cast, others unchanged
-      params = jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, params
-      )
+    params = cast_floats(params, self.compute_dtype)
     loss, aux, new_state = self.loss.call(params, model_state, mb, key, self.stats)
     clean = jnp.ones((), bool)
     if isinstance(loss, dict):
@@ -252,7 +245,7 @@ def _window_stats(fn: Any, reduce: Any, has_state: bool, where: str) -> WindowSt
     return None
   check_function(fn, f"{where}: window_stats must be a function")
   check_aux_reduce(reduce, True, reducer_names(), where, "window_stats_reduce")
-  return WindowStats(fn, AuxReducers(reduce, where), has_state)
+  return WindowStats(fn, AuxReducers(reduce, where, "window_stats_reduce"), has_state)
 
 
 def check_unroll(unroll: Any, where: str) -> int | str:

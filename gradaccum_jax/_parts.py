@@ -134,6 +134,14 @@ def sum_dtype(like: Any) -> Any:
   return jnp.promote_types(jnp.result_type(like), floor)
 
 
+def cast_floats(params: Any, dtype: Any) -> Any:
+  """``params`` with float leaves cast to ``dtype`` (``compute_dtype``; None: as they are)."""
+  if dtype is None:
+    return params
+  floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)  # noqa: E731
+  return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, params)
+
+
 def zeros_accumulator(params: Any, accum_dtype: Any) -> Any:
   """Zeros like ``params`` (shapes and shardings, as optax's own state), in ``accum_dtype``'s
   precision (complex for a complex leaf; the params' dtypes if None)."""
@@ -163,8 +171,9 @@ def window_means(
 
 
 def safe_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
-  """``total / weight``, and 0 where the weight is 0."""
-  return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
+  """``total / weight``: 0 where the weight is 0, NaN where it is not finite (a voided window)."""
+  mean = jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1).astype(total.dtype), 0)
+  return jnp.where(jnp.isfinite(weight), mean, jnp.nan)
 
 
 def _leading(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -286,18 +295,19 @@ def over_slots(units: tuple, parts: tuple) -> tuple:
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
   """The mean gradient of an accumulator (in float32 or wider), divided by the loss ``scale``
-  if given; 0 for a zero total weight. One multiplication per leaf, which XLA fuses into a norm
-  (a division with a select would be written out first)."""
+  if given; 0 for a zero total weight, NaN for a non-finite one (a voided window). One
+  multiplication per leaf, which XLA fuses into a norm (a division with a select would be
+  written out first)."""
   ok = weight > 0
 
   def one(a):
     wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
     real = jnp.finfo(wide.dtype).dtype  # float32 for complex64; float64 for a float64 sum
     factor = jnp.ones((), real) if scale is None else 1 / scale.astype(real)
+    w = weight.astype(real)
     if not rule_of(a).running_mean:  # 1 / weight in the sum's precision: exact means in float64
-      w = weight.astype(real)
       factor = factor * jnp.where(ok, 1 / jnp.where(ok, w, 1), 0)
-    return wide * factor
+    return wide * jnp.where(jnp.isfinite(w), factor, jnp.nan)
 
   return jax.tree.map(one, acc)
 
@@ -506,6 +516,11 @@ class AuxReducers:
 
   spec: Any = None  # None, a name, a pytree prefix of the aux with names, or a partial dict
   where: str | None = None  # the function the user called, for errors
+  name: str = "aux_reduce"  # the argument that gave ``spec`` (window_stats_reduce), for errors
+
+  @property
+  def _of(self) -> str:
+    return "aux loss_fn returns" if self.name == "aux_reduce" else "statistics window_stats returns"
 
   def _refuse(self, text: str) -> ValueError:
     return ValueError(text if self.where is None else f"{self.where}: {text}")
@@ -520,16 +535,17 @@ class AuxReducers:
       spec = jax.tree.broadcast(spec, aux, is_leaf=lambda x: x is None or isinstance(x, str))
     except (ValueError, TypeError):
       raise self._refuse(
-        f"aux_reduce={self.spec!r} must be one of {reducer_names()}, a pytree prefix of the aux"
-        f" loss_fn returns, {treedef}, with those names (or None) as leaves, or a dict of some"
-        " of its keys."
+        f"{self.name}={self.spec!r} must be one of {reducer_names()}, a pytree prefix of the"
+        f" {self._of}, {treedef}, with those names (or None) as leaves, or a dict of some of its"
+        " keys."
       ) from None
     out, leaves = [], jax.tree_util.tree_leaves_with_path(aux)
     for (path, x), name in zip(leaves, treedef.flatten_up_to(spec), strict=True):
       r = REDUCERS[_default_reducer(x) if name is None else name]
       if not (r.integers or is_inexact(x)):
         raise self._refuse(
-          f"aux_reduce asks the {name} of the integer aux leaf {jax.tree_util.keystr(path)}"
+          f"{self.name} asks the {name} of the integer {self._of.split()[0]} leaf"
+          f" {jax.tree_util.keystr(path)}"
           f" ({jnp.result_type(x)}): a {name} is a float; use 'sum', or return a float."
         )
       out.append(r)
@@ -542,8 +558,8 @@ class AuxReducers:
       unknown = [key for key in spec if key not in aux]
       if unknown:
         raise self._refuse(
-          f"aux_reduce names the key {unknown[0]!r}, which the aux loss_fn returns does not have"
-          f"{f' at {path}' if path else ''}; its keys there are {list(aux)}. Name keys of the aux"
+          f"{self.name} names the key {unknown[0]!r}, which the {self._of} does not have"
+          f"{f' at {path}' if path else ''}; its keys there are {list(aux)}. Name keys of it"
           " (those left out keep the default)."
         )
       done = {k: self._completed(spec.get(k), v, f"{path}[{k!r}]") for k, v in aux.items()}

@@ -42,8 +42,11 @@ class Privacy:
     """Whether ``example`` (a micro-batch of one row) is real: ``weight_fn`` above 0."""
     if self.example_weight is None:
       return jnp.ones((), bool)
-    what = "with a DP transformation, weight_fn(example) (1 for a real example, 0 for padding)"
-    return check_weight(self.example_weight(example), what) > 0
+    what, means = (
+      "with a DP transformation, weight_fn(example)",
+      "1 for a real example, 0 for padding",
+    )
+    return check_weight(self.example_weight(example), what, means) > 0
 
   def reals(self, mb: Any) -> jax.Array:
     """Whether each example of micro-batch ``mb`` is real (:meth:`real`), one bool per row."""
@@ -64,6 +67,7 @@ class Privacy:
     examples' gradients held side by side. Where an example's gradient is not finite (NaN
     padding), whose 0 * NaN would spread in that pass, the examples are summed one at a time."""
     _check_state(start, opts.where)
+    mb = jax.tree.map(jnp.asarray, mb)  # a NumPy micro-batch is indexed by a traced example
     rows = jax.tree.leaves(mb)[0].shape[0]
     es = jnp.arange(rows)
 
@@ -75,10 +79,10 @@ class Privacy:
       return jax.grad(lambda q: loss_of(q, e, ex)[0])(params)
 
     real = self.reals(mb)
-    sq = jax.vmap(lambda e, ex: sq_norm(grad_of(e, ex)))(es, mb)
-    ok, w = real & jnp.isfinite(sq), jnp.sum(real.astype(jnp.float32))
+    norm, finite = jax.vmap(lambda e, ex: _norm(grad_of(e, ex)))(es, mb)
+    ok, w = real & finite, jnp.sum(real.astype(jnp.float32))
     # min(1, C / |g_e|): 1 for a zero gradient (C / 0 = inf); 0 for padding or a NaN.
-    factor = jnp.where(ok, jnp.minimum(1.0, self.l2_clip / jnp.sqrt(sq)), 0.0) / jnp.maximum(w, 1)
+    factor = jnp.where(ok, jnp.minimum(1.0, self.l2_clip / norm), 0.0) / jnp.maximum(w, 1)
     wide = jax.tree.map(lambda p: jnp.promote_types(jnp.result_type(p), jnp.float32), params)
 
     def batched(_: None) -> tuple:
@@ -100,9 +104,7 @@ class Privacy:
       rest = jax.vmap(lambda e, ex: loss_of(params, e, ex)[1])(es, mb)  # forward only
       return jax.lax.fori_loop(0, rows, add, zeros), rest
 
-    grads, (loss, aux, new_state) = jax.lax.cond(
-      jnp.all(jnp.isfinite(sq)), batched, one_by_one, None
-    )
+    grads, (loss, aux, new_state) = jax.lax.cond(jnp.all(finite), batched, one_by_one, None)
     mean = jax.tree.map(lambda x: safe_mean(jnp.sum(jnp.where(real, x, 0)), w), loss)
     if opts.loss.has_aux:  # each leaf reduced over the real examples as over micro-batches
       red, like = opts.aux_reduce, jax.tree.map(lambda x: x[0], aux)
@@ -131,6 +133,17 @@ class Privacy:
       return x.astype(z.dtype) + std * z
 
     return treedef.unflatten([noisy(x, k) for x, k in zip(leaves, keys, strict=True)])
+
+
+def _norm(grads: Any) -> tuple[jax.Array, jax.Array]:
+  """``(|g|, whether g is finite)``, without overflow: the norm of ``g / max |g|`` times it, so
+  a finite gradient whose squared norm is past float32's range is still clipped to C."""
+  top = jnp.max(
+    jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in jax.tree.leaves(grads)])
+  )
+  scale = jnp.where(top > 0, top, 1.0)
+  sq = sq_norm(jax.tree.map(lambda x: x / scale.astype(x.dtype), grads))
+  return top * jnp.sqrt(sq), jnp.isfinite(top) & jnp.isfinite(sq)
 
 
 def _one_row(example: Any) -> Any:
@@ -212,6 +225,8 @@ def dp_accumulate(
     settings[name] = value
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise TypeError(f"dp_accumulate: seed must be an int, got {seed!r}.")
+  if not -(2**63) <= seed < 2**63:  # what jax.random.key takes
+    raise ValueError(f"dp_accumulate: seed={seed} must be a 64-bit int, -2**63 <= seed < 2**63.")
   tx = accumulate(inner, num_microbatches, accum_dtype=accum_dtype, skip_nonfinite=skip_nonfinite)
   acc = dataclasses.replace(tx.settings, privacy=Privacy(**settings, seed=seed))
   return Accumulate(acc.init, acc.update, acc)

@@ -51,7 +51,9 @@ class Terms:
     split)."""
     terms, i = cls(names, weight_fn), jnp.arange(k)
     ws = jax.vmap(lambda j: terms.weights(split(batch, j, k)))(i)
-    out = {t: jnp.sum(jnp.where((i < num) & (w > 0), w, 0.0)) for t, w in ws.items()}
+    # A weight <= 0 adds nothing; a NaN or an infinite one makes the total non-finite, which
+    # voids the window (:meth:`shares`).
+    out = {t: jnp.sum(jnp.where((i < num) & ~(w <= 0), w, 0.0)) for t, w in ws.items()}
     return dataclasses.replace(terms, totals=jax.lax.psum(out, vary) if vary else out)
 
   def weights(self, mb: Any) -> dict[str, jax.Array]:
@@ -69,7 +71,9 @@ class Terms:
     fracs = {t: _ratio(w[t], self.totals[t]) for t in self.names}
     live = sum(jnp.where(self.totals[t] > 0, 1.0, 0.0) for t in self.names)
     u = _ratio(sum(fracs.values()), live)
-    return u, {t: _ratio(f, u) for t, f in fracs.items()}, w
+    # A NaN or infinite weight, here or in a term's total, voids the window as a scalar one does.
+    finite = jnp.all(jnp.isfinite(jnp.stack([*w.values(), *self.totals.values()])))
+    return jnp.where(finite, u, jnp.nan), {t: _ratio(f, u) for t, f in fracs.items()}, w
 
   def weight(self, mb: Any) -> jax.Array:
     """``u_i``: micro-batch ``mb``'s weight in the window (a ``weight_fn`` for the sums)."""

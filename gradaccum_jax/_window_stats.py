@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._parts import AuxReducers, Unit
+from gradaccum_jax._parts import AuxReducers, Unit, cast_floats
 from gradaccum_jax._sharding import reduce_parts, to_varying
 
 
@@ -34,14 +34,16 @@ class WindowStats:
   has_state: bool
 
   def window(self, take: Callable, weighting: Any, model_state: Any, *, k: int, num: Any,
-             vary: tuple) -> Any:  # fmt: skip
+             vary: tuple, dtype: Any = None) -> Any:  # fmt: skip
     """The window's statistics over its first ``num`` of ``k`` micro-batches and the devices
     ``vary``; ``take(i)``: micro-batch ``i``'s ``(params, microbatch, key)`` as its loss gets
-    them; ``weighting``: the window's (each micro-batch's weight, as the sums take it)."""
+    them, the params cast to ``dtype`` as for the loss; ``weighting``: the window's (each
+    micro-batch's weight, as the sums take it)."""
     wt, reducers = weighting, self.reducers
 
     def one(i: Any) -> tuple[Any, jax.Array]:
       params, mb, key = take(i)
+      params = cast_floats(params, dtype)
       args = (params, model_state, mb) if self.has_state else (params, mb)
       args = args if key is None else (*args, key)
       return self.fn(*args), wt.of(mb)

@@ -601,3 +601,151 @@ def test_step_check_report_shows_the_gradient_beside_the_update():
   old = ga.StepCheck(True, 1e-4, 1e-3, {"['a']": 0.0}, {"['a']": 0.0})
   assert "gradient: not read, from nothing" in str(old)
   assert re.search(r"\['a'\] +gradient +-  update", str(old))
+
+
+# --- check_step never calls a wrong step equivalent (issue 60) ---------------------------------
+
+OPTIMIZERS = {
+  "sgd": lambda: optax.sgd(0.1),
+  "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2),
+  "lion": lambda: optax.lion(1e-3),
+  "adafactor": lambda: optax.adafactor(1e-2),
+}
+WARM = optax.linear_schedule(0.1, 1.0, 10)  # a warm-up: a step counted late moves further
+
+
+def multisteps_loop(tx, loss_fn=token_xent, k=K):
+  """The commonest hand-written accumulation: ``tx`` (``optax.MultiSteps`` inside) updated on
+  each micro-batch's mean loss, in one jitted call."""
+
+  @jax.jit
+  def step(params, state, batch):
+    for i in range(k):
+      updates, state = tx.update(jax.grad(loss_fn)(params, rows(batch, i, k)), state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  return step
+
+
+def reduced_twice(inner):
+  """A data-parallel step that sums the 8 devices' mean gradients (a psum where a pmean is due)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def local(params, batch):
+    return jax.lax.psum(jax.grad(token_xent)(params, batch), "data")
+
+  grads = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+
+  @jax.jit
+  def step(params, state, batch):
+    updates, state = inner.update(grads(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def wrong_step(name, inner, params, batch):
+  """``(step, its state, the optimizer the user believes it applies)`` of a wrong step."""
+  if name == "mean_of_means":  # uneven token counts, each micro-batch's mean weighed alike
+    tx = optax.MultiSteps(inner, every_k_schedule=K)
+    return multisteps_loop(tx), tx.init(params), inner
+  if name == "clipped_per_micro_batch":  # the clip before MultiSteps sees each micro-batch
+    g = [jax.grad(token_xent)(params, rows(batch, i, K)) for i in range(K)]
+    c = 0.5 * min(float(optax.tree.norm(x)) for x in g)
+    tx = optax.chain(optax.clip_by_global_norm(c), optax.MultiSteps(inner, every_k_schedule=K))
+    return multisteps_loop(tx), tx.init(params), optax.chain(optax.clip_by_global_norm(c), inner)
+  if name == "schedule_counts_micro_steps":  # the schedule outside MultiSteps counts its calls
+    tx = optax.chain(optax.MultiSteps(inner, every_k_schedule=K), optax.scale_by_schedule(WARM))
+    return multisteps_loop(tx), tx.init(params), optax.chain(inner, optax.scale_by_schedule(WARM))
+  return reduced_twice(inner), inner.init(params), inner
+
+
+def slow_but(values, fast):
+  """``values`` as parameters, all but ``fast`` in the slow tier."""
+  return [v if v == fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+@pytest.mark.parametrize("opt", slow_but(OPTIMIZERS, "adam"))
+@pytest.mark.parametrize(
+  "name",
+  ["mean_of_means", "clipped_per_micro_batch", "schedule_counts_micro_steps", "reduced_twice"],
+)
+def test_check_step_never_calls_a_wrong_step_equivalent(name, opt):
+  """Wrong steps users write, under every optimizer: flagged, or "not verified" where the
+  gradient cannot be seen; never "equivalent" (before: MultiSteps(adam) averaging token means
+  was "equivalent; gradient: not read", its acc_grads beside mu and nu hiding them)."""
+  params, batch = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 16)
+  step, state, believed = wrong_step(name, OPTIMIZERS[opt](), params, batch)
+  check = ga.check_step(step, token_xent, believed, params, state, batch)
+  assert not check.ok and check.verdict in ("NOT equivalent", "not verified"), str(check)
+  assert check.verdict in str(check).splitlines()[0]
+  if name == "mean_of_means" and opt in ("adam", "adamw", "lion", "momentum"):
+    assert check.verdict == "NOT equivalent" and "inner_opt_state" not in check.compared
+
+
+@pytest.mark.parametrize("opt", slow_but(OPTIMIZERS, "adam"))
+@pytest.mark.parametrize(
+  "entry", slow_but(("train_step", "micro_step", "tx_update", "linen", "nnx"), "train_step")
+)
+def test_check_step_calls_the_library_s_own_steps_equivalent(entry, opt):
+  """ga's steps, token-weighted, in every entry point and under every optimizer."""
+  params, batch = init_lm(jax.random.key(0)), token_batch(jax.random.key(1), 16)
+  inner = OPTIMIZERS[opt]()
+  tx = ga.accumulate(inner, K)
+  kw = {"weight_fn": count_tokens}
+  if entry == "train_step":
+    check = ga.check_step(ga.train_step(token_xent, tx, **kw), token_xent, inner, params,
+                          tx.init(params), batch)  # fmt: skip
+  elif entry == "micro_step":
+    step = ga.micro_step(token_xent, tx, **kw)
+    check = ga.check_step(step, token_xent, inner, params, tx.init(params), batch)
+  elif entry == "tx_update":
+
+    @jax.jit
+    def step(params, state, batch):
+      for i in range(K):
+        mb = rows(batch, i, K)
+        grads = jax.grad(token_xent)(params, mb)
+        updates, state = tx.update(grads, state, params, weight=count_tokens(mb))
+        params = optax.apply_updates(params, updates)
+      return params, state
+
+    check = ga.check_step(step, token_xent, inner, params, tx.init(params), batch)
+  elif entry == "linen":
+
+    class LM(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        emb = self.param("emb", lambda k: params["emb"])
+        return jnp.tanh(emb[x]) @ self.param("out", lambda k: params["out"])
+
+    module = LM()
+    ts = train_state.TrainState.create(apply_fn=module.apply, params=dict(params), tx=tx)
+    step = ga.linen_train_step(module, lambda logits, mb: token_xent_of(logits, mb), **kw)
+    check = ga.check_step(step, lambda p, b: token_xent_of(module.apply({"params": p}, b["x"]), b),
+                          inner, ts, batch)  # fmt: skip
+  else:
+
+    class NnxLM(nnx.Module):
+      def __init__(self):
+        self.emb, self.out = nnx.Param(params["emb"]), nnx.Param(params["out"])
+
+    model = NnxLM()
+
+    def model_loss(m, b):
+      return token_xent_of(jnp.tanh(m.emb[...][b["x"]]) @ m.out[...], b)
+
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = ga.nnx_train_step(model_loss, **kw)
+    check = ga.check_step(step, model_loss, inner, model, optimizer, batch)
+  assert check.ok and check.verdict == "equivalent", str(check)
+  assert check.max_rel_grad_error is not None and check.max_rel_grad_error <= 1e-5, str(check)
+
+
+def token_xent_of(logits, batch):
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * batch["mask"]) / jnp.sum(batch["mask"])

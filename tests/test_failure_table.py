@@ -50,6 +50,15 @@ def with_weights(w):
   return fused(batch, weight_fn=lambda mb: mb["w"].sum())
 
 
+def nan_term_weight():
+  """A NaN weight of one term in one micro-batch voids the window, as a NaN scalar weight does."""
+  batch = dict(BATCH, w=jnp.ones(16).at[5].set(jnp.nan))
+  return fused(
+    batch, loss_fn=lambda p, mb: {"ce": xent_loss(p, mb), "again": xent_loss(p, mb)},
+    weight_fn=lambda mb: {"ce": mb["w"].sum(), "again": 1.0},
+  )  # fmt: skip
+
+
 def nan_row():
   return fused(dict(BATCH, x=BATCH["x"].at[3, 1].set(jnp.nan)))
 
@@ -294,6 +303,13 @@ TRIGGERS = {
   "a term of a loss of several terms that is not a scalar": lambda: fused(
     loss_fn=lambda p, mb: {"ce": xent_loss(p, mb), "aux": mb["x"][:, 0]}
   ),
+  "a term of a loss of several terms that is itself a dict": lambda: fused(
+    loss_fn=lambda p, mb: {"ce": xent_loss(p, mb), "aux": {"z": xent_loss(p, mb)}}
+  ),
+  "a per-term weight that is not a number": lambda: fused(
+    loss_fn=lambda p, mb: {"ce": xent_loss(p, mb)}, weight_fn=lambda mb: {"ce": "tokens"}
+  ),
+  "a NaN or Inf per-term weight": nan_term_weight,
   "`weight_fn` naming a term that `loss_fn` does not return": lambda: fused(
     loss_fn=lambda p, mb: {"ce": xent_loss(p, mb)}, weight_fn=lambda mb: {"mtp": 1.0}
   ),
@@ -305,6 +321,11 @@ TRIGGERS = {
   "`window_stats=` given to a streaming call (`ga.micro_step`)": lambda: ga.micro_step(
     xent_loss, ga.accumulate(optax.sgd(0.1), 2), window_stats=lambda p, mb: {}
   ),
+  "`window_stats_reduce=` of another structure than the statistics": lambda: fused(
+    loss_fn=lambda p, mb, s: xent_loss(p, mb),
+    window_stats=lambda p, mb: {"n": jnp.sum(mb["y"])},
+    window_stats_reduce=("sum", "max"),
+  ),
   "`window_stats_reduce=` without `window_stats=`": lambda: fused(window_stats_reduce="sum"),
   "`ga.dp_accumulate` with `l2_clip` not above 0 (or not finite)": lambda: dp(l2_clip=0.0),
   "`ga.dp_accumulate` with a negative `noise_multiplier`": lambda: dp(noise_multiplier=-1.0),
@@ -314,6 +335,13 @@ TRIGGERS = {
   "a model state with float leaves (BatchNorm statistics) under `ga.dp_accumulate`": lambda: (
     dp_step(has_state=True)(PARAMS, {"mean": jnp.zeros(3)}, dp().init(PARAMS), BATCH)
   ),
+  "`ga.dp_accumulate` with a `seed` outside 64 bits": lambda: dp(seed=2**70),
+  "`ga.flush` on the state of a `ga.dp_accumulate` transformation": lambda: ga.flush(
+    dp(), dp().update(jax.tree.map(jnp.ones_like, PARAMS), dp().init(PARAMS), PARAMS)[1], PARAMS
+  ),
+  "`weight_fn(example)` under `ga.dp_accumulate` returning a non-number": lambda: dp_step(
+    weight_fn=lambda ex: "real"
+  )(PARAMS, dp().init(PARAMS), BATCH),
   "`ga.clipped_grad` given a transformation of `ga.accumulate`": lambda: ga.clipped_grad(
     xent_loss, ga.accumulate(optax.sgd(0.1), 2)
   ),

@@ -23,14 +23,18 @@ KS = (2, 8, 32)
 def test_the_fused_step_holds_what_a_minimal_scan_holds_whatever_k(model):
   """Donated, the step's peak (arguments + outputs - aliased + temp) is the minimal scan's
   within 0.05 A: the scan adds into the state's accumulator, the update runs in place.
-  Undonated, within 2.05 A of the undonated floor: the state's accumulator in and out. The
-  excess does not grow with k, and neither does the donated step's temp memory."""
+  Undonated, within 0.1 A of a minimal scan that also takes and returns its accumulator, as the
+  undonated step must (2 A above the minimal scan): equal on jax 0.10.2; on jax 0.12.1 the LM
+  with adam is 0.093 A above it (XLA gives the micro-batch's logits a buffer of their own
+  there), while donated it is 0.22 A below the minimal scan. The excess does not grow with k,
+  and neither does the donated step's temp memory."""
   ks = KS if model == "mlp" else (KS[0], KS[-1])  # the LM's compiles: the ends of the range
   rows = {k: memory_floor.window_bytes(model, k) for k in ks}
   for k, row in rows.items():
     a = row["A"]
     assert row["ga"] <= row["min_scan"] + 0.05 * a, (k, row)
-    assert row["ga_undonated"] <= row["min_scan_undonated"] + 2.05 * a, (k, row)
+    assert row["ga_undonated"] <= row["min_state_undonated"] + 0.1 * a, (k, row)
+    assert row["min_state_undonated"] <= row["min_scan_undonated"] + 2.001 * a, (k, row)
   excess = {k: memory_floor.excess(row) for k, row in rows.items()}
   for name in ("ga", "ga_undonated"):  # within 0.001 A whatever k
     assert max(e[name] for e in excess.values()) - min(e[name] for e in excess.values()) < 1e-3, (
@@ -86,7 +90,10 @@ def test_a_streaming_call_holds_the_accumulator_and_less_than_multisteps(model, 
     assert r[name] <= r["plain"] + bound * a, (name, r)
     assert r[name] < r["multisteps"], (name, r)
     assert r[name + "_undonated"] <= r["multisteps_undonated"] + 1.1 * a, (name, r)
-  assert r["micro"] <= r["stream"], r
+  # The LM on jax 0.10 (no gradient Refs: carried): micro_step's window sums beside tx.update's
+  # add 6 KB, its one micro-batch run without a loop around it (a loop of one trip there held
+  # 0.19 A less, on jax 0.12.1 0.25 A more donated and 0.49 A more undonated).
+  assert r["micro"] <= r["stream"] + 0.001 * a, r
   if model == "mlp":
     assert r["micro"] <= r["stream"] - 0.35 * a, r  # the params written in the branch
 

@@ -138,7 +138,9 @@ def weight_fn(cell):
   fn = (big_tokens if cell.big else tokens) if cell.weighted else None
   if fn is None or not cell.terms:
     return fn
-  return lambda mb: {"a": fn(mb), "b": fn(mb)}  # each term normalized over the window's tokens
+  # Each term normalized over the window's tokens; the third window's "b" weighs NaN
+  # (:func:`batches`), which voids it as a NaN scalar weight would.
+  return lambda mb: {"a": fn(mb), "b": fn(mb) + jnp.sum(mb["nan"])}
 
 
 def loss_of(cell, fn):
@@ -158,8 +160,14 @@ def loss_of(cell, fn):
   return split
 
 
+def voided_by_weight(cell):
+  """Whether the third window is voided by a NaN weight of one term, its inputs finite."""
+  return cell.terms and cell.weighted
+
+
 def batches(cell):
-  """Three batches: two windows and one with a NaN input in a real token (voided)."""
+  """Three batches: two windows and one with a NaN input in a real token (voided; with per-term
+  weights, a NaN weight of term "b" in micro-batch 0 instead)."""
   rng = np.random.default_rng(0)
   rows = np.arange(ROWS)
   base = BASE_TOKENS[rows % K]
@@ -168,10 +176,15 @@ def batches(cell):
   out = []
   for j in range(3):
     x = rng.standard_normal((ROWS, T, SIZES[0])).astype(dtype)
-    if j == 2:
+    nan = np.zeros(ROWS, dtype)
+    if j == 2 and voided_by_weight(cell):
+      nan[0] = np.nan  # row 0: micro-batch 0's weight of term "b"
+    elif j == 2:
       x[0, 0, 0] = np.nan  # row 0: micro-batch 0, a real token
     mask = (np.arange(T)[None, :] < real[:, None]).astype(dtype)
-    out.append({"x": x, "y": rng.integers(0, SIZES[-1], (ROWS, T)).astype(np.int32), "mask": mask})
+    y = rng.integers(0, SIZES[-1], (ROWS, T)).astype(np.int32)
+    batch = {"x": x, "y": y, "mask": mask}
+    out.append({**batch, "nan": nan} if voided_by_weight(cell) else batch)
   return out
 
 
@@ -210,12 +223,13 @@ def compute_in(dtype, params):
 
 
 @functools.cache
-def reference(dtype, weighted, flushed, compute=None, loss_scaled=False):
+def reference(dtype, weighted, flushed, compute=None, loss_scaled=False, terms=False):
   """The big-batch run: each window's rows as one batch, one plain SGD step each, computed in
   ``compute`` (``loss_scaled``: the gradient of the loss times a dynamic scale, divided by it);
-  a window with a non-finite gradient moves nothing but the counters (``count``, the model
-  state's ``n``) and halves the loss scale."""
+  a window with a non-finite gradient (``terms``: or a NaN weight) moves nothing but the
+  counters (``count``, the model state's ``n``) and halves the loss scale."""
   cell = Cell("tx_update" if flushed else "reference", dtype, None, weighted, False, compute)
+  cell = dataclasses.replace(cell, terms=terms)
   with jax.enable_x64(cell.x64):
     params, model_state = initial(cell)
     inner_state = INNER.init(params)
@@ -230,7 +244,8 @@ def reference(dtype, weighted, flushed, compute=None, loss_scaled=False):
       big = jax.tree.map(lambda *xs: np.concatenate(xs), *mbs)
       loss, grads = grad_fn(params, big, scale)
       loss, grads = jax.tree.map(lambda x, s=scale: x / s, (loss, grads))
-      if all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)):
+      weights = jax.tree.leaves(weight_fn(cell)(big) if "nan" in big else ())
+      if all(np.all(np.isfinite(g)) for g in jax.tree.leaves((grads, weights))):
         updates, inner_state = INNER.update(grads, inner_state, params)
         params = optax.apply_updates(params, updates)
         for mb in mbs:
@@ -633,7 +648,7 @@ def assert_moves_close(actual, expected, start, tol, what):
 
 @pytest.mark.parametrize("cell", cells())
 def test_every_entry_point_equals_the_big_batch_update(cell):
-  expected = reference(cell.dtype, cell.weighted, cell.flushed)
+  expected = reference(cell.dtype, cell.weighted, cell.flushed, terms=voided_by_weight(cell))
   with jax.enable_x64(cell.x64):
     params, model_state = initial(cell)
     start = as_numpy(params)

@@ -388,3 +388,169 @@ def test_float64_windows_are_float64_exact(k):
     step = ga.train_step(lambda w, mb: jnp.mean(mb["x"] @ w), tx)
     new_w, _, metrics = step(jnp.zeros(2, jnp.float64), tx.init(w), {"x": jnp.ones((2 * k, 2))})
     np.testing.assert_array_equal(new_w, -jnp.ones(2))
+
+
+# --- window statistics in compute_dtype, DP's clipping without overflow, eager clipped_grad,
+# nnx.scan models under weights, flush of a DP window (issue 60) ------------------------------
+
+E = 4  # experts
+
+
+def route_params():
+  """A router whose experts 0 and 1 differ by 1e-5 relative: float32 routes some tokens to
+  expert 1, bfloat16 rounds the two columns to one and routes them all to expert 0."""
+  w = jax.random.normal(jax.random.key(0), (6, E)).astype(jnp.bfloat16).astype(jnp.float32)
+  return {"router": w.at[:, 1].set(w[:, 0] * (1 + 1e-5))}
+
+
+def counts(params, mb):
+  """The tokens routed to each expert (top 1): the window's statistics."""
+  top = jnp.argmax(mb["x"] @ params["router"], axis=-1)
+  return jnp.sum(jax.nn.one_hot(top, E, dtype=jnp.int32), axis=0)
+
+
+def routed_loss(params, mb, stats):
+  """A loss that reads the window's counts (a balance loss's shape)."""
+  probs = jax.nn.softmax(mb["x"] @ params["router"])
+  return jnp.sum(jnp.mean(probs, axis=0) * stats.astype(jnp.float32) * jnp.arange(1.0, E + 1))
+
+
+@pytest.mark.parametrize("entry", ["train_step", "value_and_grad", "linen", "nnx"])
+def test_window_statistics_are_computed_in_the_compute_dtype(entry):
+  """The statistics a bfloat16 step reads are the bfloat16 model's (before: the float32
+  params', so the routing the loss read was not the one the model made)."""
+  params, batch = route_params(), {"x": jax.random.normal(jax.random.key(1), (16, 6))}
+  in_bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  expected, fp32 = counts(in_bf16, batch), counts(params, batch)
+  assert not np.array_equal(expected, fp32) and int(expected[1]) == 0  # the dtypes route apart
+  kw = dict(compute_dtype=jnp.bfloat16, window_stats=counts)
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  if entry == "train_step":
+    _, _, metrics = ga.train_step(routed_loss, tx, **kw)(params, tx.init(params), batch)
+    stats = metrics["window_stats"]
+  elif entry == "value_and_grad":
+    loss, _ = jax.jit(ga.value_and_grad(routed_loss, K, **kw))(params, batch)
+    np.testing.assert_allclose(loss, routed_loss(in_bf16, batch, expected), rtol=1e-2)
+    assert abs(float(loss - routed_loss(in_bf16, batch, fp32))) > 1e-2  # the routing shows
+    return
+  elif entry == "linen":
+    import flax.linen as nn
+    from flax.training import train_state
+
+    router = nn.Dense(E, use_bias=False)
+    p = {"kernel": params["router"]}
+    ts = train_state.TrainState.create(apply_fn=router.apply, params=p, tx=tx)
+    step = ga.linen_train_step(
+      router, lambda y, mb, s: jnp.sum(jnp.mean(jax.nn.softmax(y), 0) * s),
+      compute_dtype=jnp.bfloat16,
+      window_stats=lambda y, mb: jnp.sum(jax.nn.one_hot(jnp.argmax(y, -1), E, dtype=jnp.int32), 0),
+    )  # fmt: skip
+    _, metrics = step(ts, batch)
+    stats = metrics["window_stats"]
+  else:
+    from flax import nnx
+
+    model = nnx.Linear(6, E, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = params["router"]
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = ga.nnx_train_step(
+      lambda m, mb, s: jnp.sum(jnp.mean(jax.nn.softmax(m(mb["x"])), 0) * s),
+      compute_dtype=jnp.bfloat16,
+      window_stats=lambda m, mb: counts({"router": m.kernel[...]}, mb),
+    )
+    stats = step(model, optimizer, batch)["window_stats"]
+  np.testing.assert_array_equal(stats, expected)
+
+
+def linear_loss(w, mb):
+  return jnp.mean(mb["x"] @ w)  # each example's gradient is its x
+
+
+@pytest.mark.parametrize("entry", ["train_step", "micro_step", "clipped_grad"])
+def test_dp_clips_a_finite_gradient_whose_squared_norm_overflows_float32(entry):
+  """An example gradient of norm 5e19 (its square past float32's 3.4e38) adds its gradient
+  clipped to C, as any other (before: 0, as a non-finite one); a NaN one adds 0."""
+  c, big = 1.0, jnp.array([3e19, 4e19])
+  x = jnp.stack([big, jnp.array([0.3, 0.4]), jnp.array([jnp.nan, 0.0]), jnp.array([0.0, 2.0])])
+  tx = ga.dp_accumulate(optax.sgd(1.0), 2, l2_clip=c, noise_multiplier=0.0, expected_batch_size=4)
+  w = jnp.zeros(2)
+  clipped_sum = big / 5e19 * c + jnp.array([0.3, 0.4]) + jnp.array([0.0, 1.0])  # the NaN: 0
+  batch = {"x": x}
+  if entry == "train_step":
+    new, state, _ = ga.train_step(linear_loss, tx)(w, tx.init(w), batch)
+  elif entry == "micro_step":
+    step, state = ga.micro_step(linear_loss, tx), tx.init(w)
+    new = w
+    for i in range(2):
+      new, state, _ = step(new, state, ga.microbatch(batch, i, 2))
+  else:
+    fn, state, new = ga.clipped_grad(linear_loss, tx), tx.init(w), w
+    for i in range(2):
+      _, grads, weight = fn(w, ga.microbatch(batch, i, 2))
+      updates, state = tx.update(grads, state, w, weight=weight)
+      new = optax.apply_updates(new, updates)
+  assert int(state.num_skipped) == 0
+  np.testing.assert_allclose(new, -clipped_sum / 4, rtol=1e-6)
+
+
+def test_clipped_grad_runs_eagerly_on_numpy_and_jax_micro_batches():
+  tx = ga.dp_accumulate(optax.sgd(1.0), 1, l2_clip=1.0, noise_multiplier=0.0, expected_batch_size=2)
+  fn = ga.clipped_grad(linear_loss, tx)
+  x = np.array([[3.0, 4.0], [0.0, 0.5]], np.float32)
+  for mb in ({"x": x}, {"x": jnp.asarray(x)}):
+    _, grads, weight = fn(np.zeros(2, np.float32), mb)
+    np.testing.assert_allclose(grads, [0.3, 0.65], rtol=1e-6)  # (x_0 / 5 + x_1) / 2
+    assert float(weight) == 2.0
+
+
+def test_flush_refuses_a_dp_state_and_the_dp_weight_fn_error_says_what_the_flag_means():
+  tx = ga.dp_accumulate(optax.sgd(1.0), 2, l2_clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
+  w = jnp.zeros(2)
+  state = tx.update(jnp.ones(2), tx.init(w), w, weight=1.0)[1]
+  with pytest.raises(ValueError, match="ga.flush: a DP transformation"):
+    ga.flush(tx, state, w)
+  step = ga.train_step(linear_loss, tx, weight_fn=lambda ex: {"a": ex["x"].sum()})
+  with pytest.raises(TypeError, match=r"weight_fn\(example\) must be a scalar number \(1 for a"):
+    step(w, tx.init(w), {"x": jnp.ones((4, 2))})
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_weighted_loss_over_an_nnx_scan_model(in_place):
+  """The functional split/merge loss of docs/models.md over blocks made by nnx.vmap and run by
+  nnx.scan, with weight_fn: ga.value_and_grad (before: "Cannot extract graph node from different
+  trace level" in place), ga.check_equivalence and ga.check_step of ga.nnx_train_step."""
+  import sys
+  from pathlib import Path
+
+  from flax import nnx
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+  import stacked_memory
+
+  model = stacked_memory._nnx_net(2, 4)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  x = jax.random.normal(jax.random.key(2), (8, 4))
+  batch = {"x": x, "y": x[:, 0], "m": (jnp.arange(8) % 3 > 0).astype(jnp.float32)}
+
+  def loss(p, mb):
+    err = (nnx.merge(graphdef, p, rest)(mb["x"])[:, 0] - mb["y"]) ** 2
+    return jnp.sum(err * mb["m"]) / jnp.maximum(jnp.sum(mb["m"]), 1)
+
+  def weight_fn(mb):
+    return mb["m"].sum()
+
+  vg = ga.value_and_grad(loss, K, weight_fn=weight_fn, grads_in_place=in_place)
+  assert_trees_close(jax.jit(vg)(params, batch), jax.value_and_grad(loss)(params, batch))
+  if not in_place:
+    return
+  assert ga.check_equivalence(loss, params, batch, K, weight_fn=weight_fn).ok
+  tx = ga.accumulate(optax.adam(1e-2), K)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def model_loss(m, mb):
+    err = (m(mb["x"])[:, 0] - mb["y"]) ** 2
+    return jnp.sum(err * mb["m"]) / jnp.maximum(jnp.sum(mb["m"]), 1)
+
+  step = ga.nnx_train_step(model_loss, weight_fn=weight_fn)
+  check = ga.check_step(step, model_loss, optax.adam(1e-2), model, optimizer, batch)
+  assert check.ok, str(check)

@@ -288,4 +288,6 @@ def test_per_term_weights_on_stacked_layers_add_in_place_at_the_one_term_peak():
   activations = (B // k) * D * (L + 1) * 4  # the block inputs and output of one micro-batch
   in_place = ga.inspect_step(per_term, params, tx.init(params), batch).grads_in_place
   A = params["w"].size * 4  # carried (JAX 0.10): the terms' sum beside one term's gradient
-  assert peaks[1] - peaks[0] <= 3 * activations + (0 if in_place else A), (peaks, activations)
+  scalars = 64  # the per-term weights' finiteness check (a NaN weight voids the window)
+  bound = 3 * activations + (0 if in_place else A) + scalars
+  assert peaks[1] - peaks[0] <= bound, (peaks, activations)
