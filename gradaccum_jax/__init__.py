@@ -23,7 +23,6 @@ from gradaccum_jax._lr import scale_learning_rate as scale_learning_rate
 from gradaccum_jax._lr import scale_weight_decay as scale_weight_decay
 from gradaccum_jax._micro_step import micro_step as micro_step
 from gradaccum_jax._microbatch import microbatch as microbatch
-from gradaccum_jax._microbatch import value_and_grad as value_and_grad
 from gradaccum_jax._nnx import nnx_train_step as nnx_train_step
 from gradaccum_jax._noise import NoiseScaleState as NoiseScaleState
 from gradaccum_jax._noise import noise_scale as noise_scale
@@ -31,6 +30,7 @@ from gradaccum_jax._privacy import clipped_grad as clipped_grad
 from gradaccum_jax._privacy import dp_accumulate as dp_accumulate
 from gradaccum_jax._ramp import ramp_train_step as ramp_train_step
 from gradaccum_jax._train_step import train_step as train_step
+from gradaccum_jax._train_step import value_and_grad as value_and_grad
 
 try:
   __version__ = importlib.metadata.version("gradaccum_jax")

@@ -82,17 +82,15 @@ class MicroStepState(NamedTuple):
   """State of a :func:`micro_step`: an :class:`AccumulateState` and the open window's loss sums.
 
   It answers every :class:`AccumulateState` field (``state.count``, ``state.inner_state``, ...;
-  ``acc_grads`` and ``acc_weight`` totalled over the device slots). Every mode takes it
-  (``tx.update``, :func:`train_step`, :func:`flush` total the device slots
-  and drop the loss sums), and :func:`micro_step` takes theirs.
+  ``acc_grads``, ``acc_weight`` and the noise sums totalled over the device slots), and every
+  mode takes it (``tx.update``, :func:`train_step`, :func:`flush` total the slots and drop the
+  loss sums).
 
   Attributes:
     accumulate: the :class:`AccumulateState`, as ``tx.init(params)`` makes it, except with a
-      mesh: ``acc_grads``, ``acc_weight`` and the open-window noise sums (``sq_sum``, ``num``,
-      ``examples``) have a leading axis of ``D`` slots, one per data-parallel device, sharded
-      over the data axes; the window's sums are their total.
-    loss_sum: :math:`\\sum_i w_i L_i` over the open window (float32, or the loss's dtype if
-      wider; ``(D,)`` with a mesh).
+      mesh: ``acc_grads``, ``acc_weight`` and the open window's noise sums have a leading axis
+      of ``D`` slots, one per data-parallel device; the window's sums are their total.
+    loss_sum: :math:`\\sum_i w_i L_i` over the open window (``(D,)`` with a mesh).
     aux_sum: with ``has_aux``, the open window's aux sums (a leading ``D`` axis with a mesh).
     window_start: with ``has_state``, the model state as the open window found it, which a
       voided window restores; None until the first call.
@@ -103,33 +101,36 @@ class MicroStepState(NamedTuple):
   aux_sum: Any = None
   window_start: Any = None
 
-  def __getattr__(self, name: str) -> Any:
-    """Every :class:`AccumulateState` field, as in every mode's state: ``count``,
-    ``inner_state``, ... of ``accumulate``; ``acc_grads``, ``acc_weight`` and the open window's
-    noise sums the window's totals (the device slots combined; only the field read)."""
-    if name not in AccumulateState._fields:
-      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-    acc = self.accumulate
-    if name not in ("acc_grads", "acc_weight", "noise_scale") or jnp.ndim(acc.acc_weight) == 0:
-      return getattr(acc, name)  # the counters, or sums without device slots: nothing is totalled
-    if name == "acc_weight" or name == "acc_grads" and not keeps_running_means(acc.acc_grads):
-      return jax.tree.map(lambda x: jnp.sum(x, axis=0), getattr(acc, name))  # sums: their total
-    return getattr(_totalled(acc, _SLOTTED[name == "noise_scale"]), name)
-
-  @property
-  def count(self) -> jax.Array:  # else tuple.count
-    return self.accumulate.count
-
 
 # The units of the sums an AccumulateState holds in device slots in a MicroStepState.
-_SLOTTED = (SumsUnit(Weighting(None), AuxReducers()), NoiseUnit(Weighting(None)))
+_SLOTTED = {"sums": SumsUnit(Weighting(None), AuxReducers()), "noise": NoiseUnit(Weighting(None))}
 
 
-def _totalled(acc: AccumulateState, *units: Any) -> AccumulateState:
+def _field(name: str) -> property:
+  """A :class:`MicroStepState`'s ``name``, as every mode's state answers it: the window's total
+  over the device slots (of that field alone), or ``accumulate``'s."""
+
+  def read(state: MicroStepState) -> Any:
+    acc = state.accumulate
+    if name not in ("acc_grads", "acc_weight", "noise_scale") or jnp.ndim(acc.acc_weight) == 0:
+      return getattr(acc, name)  # the counters, or sums without device slots
+    if name == "acc_weight" or name == "acc_grads" and not keeps_running_means(acc.acc_grads):
+      return jax.tree.map(lambda x: jnp.sum(x, axis=0), getattr(acc, name))
+    unit = _SLOTTED["noise" if name == "noise_scale" else "sums"]
+    return getattr(_totalled(acc, {unit.name: unit}), name)
+
+  return property(read)
+
+
+for _name in AccumulateState._fields:
+  setattr(MicroStepState, _name, _field(_name))
+
+
+def _totalled(acc: AccumulateState, units: dict) -> AccumulateState:
   """``acc`` with the device slots of ``units``' parts combined (``_parts.over_slots``)."""
-  parts = over_slots(units, tuple(u.held(acc) for u in units))
-  for unit, part in zip(units, parts, strict=True):
-    acc = unit.hold(acc, part)
+  parts = over_slots(units, {n: u.held(acc) for n, u in units.items()})
+  for name, unit in units.items():
+    acc = unit.hold(acc, parts[name])
   return acc
 
 
@@ -139,7 +140,7 @@ def slot_totals(state: Any) -> Any:
   if not isinstance(state, MicroStepState):
     return state
   acc = state.accumulate
-  return acc if jnp.ndim(acc.acc_weight) == 0 else _totalled(acc, *_SLOTTED)
+  return acc if jnp.ndim(acc.acc_weight) == 0 else _totalled(acc, _SLOTTED)
 
 
 class LossScaleState(NamedTuple):
@@ -275,10 +276,6 @@ class Accumulator:
   loss_scale: DynamicLossScale | None = None
   noise_scale_ema: float | None = None
   privacy: Any = None  # a _privacy.Privacy (ga.dp_accumulate), else None
-
-  def options(self, opts: Any) -> Any:
-    """A step's ``_options.Options`` under this transformation (DP's: ``_privacy``)."""
-    return opts if self.privacy is None else self.privacy.options(opts)
 
   def init(self, params: Params) -> AccumulateState:
     state = AccumulateState(

@@ -18,7 +18,8 @@ import optax
 from gradaccum_jax._accumulate import Accumulate, AccumulateState, MicroStepState
 from gradaccum_jax._checks import check_batch, check_num_microbatches, check_real
 from gradaccum_jax._micro_step import MicroStep
-from gradaccum_jax._microbatch import microbatch, value_and_grad
+from gradaccum_jax._microbatch import microbatch
+from gradaccum_jax._train_step import value_and_grad
 
 _MAX_FIT_COORDS = 65536
 

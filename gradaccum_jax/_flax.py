@@ -10,7 +10,7 @@ import jax
 
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._memory import gathered
-from gradaccum_jax._options import LossSpec, Options, make_options, split_output
+from gradaccum_jax._options import OPTIONS, Config, Loss, split_output, takes
 from gradaccum_jax._parts import Overwritten, register_overwrite
 from gradaccum_jax._train_step import JitStep, fused_step
 
@@ -96,7 +96,7 @@ class _LinenModel:
         hint = "pass a fresh key to the step: step(train_state, batch, rng=key)"
       raise ValueError(f"{e}\n{name} needs a PRNG key in training: {hint}.") from e
 
-  def loss(self, spec: LossSpec, with_stats: bool) -> LossSpec:
+  def loss(self, spec: Loss, with_stats: bool) -> Loss:
     """``spec``'s ``loss_fn(outputs, microbatch)`` as the ``has_state`` loss of ``fused_step``."""
 
     def loss(params, batch_stats, mb, *rest):  # rest: (window stats,) (key,)
@@ -150,7 +150,7 @@ class _LinenModel:
     return float(next(iter(seen.values())))
 
 
-def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
+def _linen_step(model: _LinenModel, config: Config, donate: bool, jit: bool):
   """:func:`linen_train_step` for one gather policy: the model translated for ``fused_step``."""
 
   def step(train_state, batch, rng=None, *, num_real_microbatches=None):
@@ -158,18 +158,18 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
     has_field = hasattr(train_state, "batch_stats")
     stats = train_state.batch_stats if has_field else {}
     with_stats = bool(jax.tree.leaves(stats))
-    if opts.batchnorm != "sequential" and not with_stats:
+    mode, m = config.batchnorm
+    if mode != "sequential" and not with_stats:
       raise ValueError(
-        f"batchnorm={opts.batchnorm!r} needs BatchNorm statistics, but {model.name} has no"
+        f"batchnorm={mode!r} needs BatchNorm statistics, but {model.name} has no"
         f" 'batch_stats' collection (the {type(train_state).__name__}'s batch_stats are"
         f" {'empty' if has_field else 'missing'}). Use batchnorm='sequential' (the default)."
       )
-    m = opts.batchnorm_momentum
-    if opts.batchnorm == "per_window" and m is None:
+    if mode == "per_window" and m is None:
       m = model.momentum(train_state.params, stats, batch, rng)
     run = dataclasses.replace(
-      opts, loss=model.loss(opts.loss, with_stats), batchnorm_momentum=m,
-      window_stats=model.window_stats(opts.window_stats, with_stats),
+      config, loss=model.loss(config.loss, with_stats), batchnorm=(mode, m),
+      stats=model.window_stats(config.stats, with_stats),
     )  # fmt: skip
     params, new_stats, opt_state, metrics = fused_step(run, tx, donate and jit)(
       train_state.params, stats, train_state.opt_state, batch, rng, num_real_microbatches
@@ -186,31 +186,12 @@ def _linen_step(model: _LinenModel, opts: Options, donate: bool, jit: bool):
   return JitStep(jax.jit(step, donate_argnums=(0,) if donate else ()), k)
 
 
+@takes(*(n for n in OPTIONS if n != "has_state"))
 def linen_train_step(
-  module: Any,
-  loss_fn: Callable[..., Any],
-  *,
-  batchnorm: str = "sequential",
-  batchnorm_momentum: float | None = None,
-  has_aux: bool = False,
-  weight_fn: Callable[[Any], Any] | None = None,
-  inputs: str | Callable[[Any], Any] = "x",
-  train_kwargs: dict[str, Any] | None = None,
-  rng_collections: Sequence[str] = ("dropout",),
-  donate: bool = False,
-  jit: bool = True,
-  compute_dtype: Any = None,
-  mesh: Any = None,
-  data_axis: str | tuple[str, ...] | None = None,
-  param_specs: Any = None,
-  gather_params: str = "once",
-  memory_budget_bytes: int | None = None,
-  grads_in_place: bool = True,
-  aux_reduce: Any = None,
-  window_stats: Callable[..., Any] | None = None,
-  window_stats_reduce: Any = None,
-  unroll: int | str = 1,
-) -> Callable[..., tuple[Any, dict[str, Any]]]:
+  module: Any, loss_fn: Callable[..., Any], *, inputs: str | Callable[[Any], Any] = "x",
+  train_kwargs: dict[str, Any] | None = None, rng_collections: Sequence[str] = ("dropout",),
+  donate: bool = False, jit: bool = True, **options: Any,
+) -> Callable[..., tuple[Any, dict[str, Any]]]:  # fmt: skip
   r"""A fused accumulation step for a Flax Linen module and its ``TrainState``.
 
   ``step(train_state, batch, rng=None)`` is :func:`train_step` (``has_state=True``, the state
@@ -251,16 +232,9 @@ def linen_train_step(
     >>> int(state.step), int(state.opt_state.count)
     (1, 1)
   """
-  opts = make_options(
-    "linen_train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=True,
-    batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
-    mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
-    memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
-    grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce, unroll=unroll,
-  )  # fmt: skip
+  config = Config.make("linen_train_step", loss_fn, from_model=True, has_state=True, **options)
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
-  return gathered(lambda o, j: _linen_step(model, o, donate, j), opts, jit)
+  return gathered(lambda c, j: _linen_step(model, c, donate, j), config, jit)
 
 
 def check_linen_args(inputs: Any, train_kwargs: Any, rng_collections: Any) -> tuple[str, ...]:

@@ -130,20 +130,22 @@ class AutoStep:
     return program(*args, **lowered_kwargs)
 
 
-def gathered(build: Callable[[Any, bool], Any], opts: Any, jit: bool) -> Any:
-  """Any front end's step: ``build(opts, jit)``, or with ``gather_params="auto"`` or
+def gathered(build: Callable[[Any, bool], Any], config: Any, jit: bool) -> Any:
+  """Any front end's step: ``build(config, jit)``, or with ``gather_params="auto"`` or
   ``unroll="auto"`` an :class:`AutoStep` over the candidates' jitted steps (``jit=False`` is
   refused: "auto" compiles)."""
-  gather = None if opts.parallel is None else opts.parallel.gather
-  if gather != "auto" and opts.unroll != "auto":
-    return build(opts, jit)
+  gather = None if config.mesh is None else config.mesh.gather
+  if gather != "auto" and config.unroll != "auto":
+    return build(config, jit)
   if not jit:
     autos = [
-      f"{n}='auto'" for n, v in (("gather_params", gather), ("unroll", opts.unroll)) if v == "auto"
+      f"{n}='auto'"
+      for n, v in (("gather_params", gather), ("unroll", config.unroll))
+      if v == "auto"
     ]
     raise ValueError(
-      f"{opts.where}: {' and '.join(autos)} compiles the step, so it needs jit=True."
+      f"{config.where}: {' and '.join(autos)} compiles the step, so it needs jit=True."
     )
   gathers = ("once", "per_microbatch") if gather == "auto" else (gather,)
-  budget = opts.parallel.budget if gather == "auto" else opts.budget
-  return AutoStep(lambda g, u: build(opts.chosen(g, u), True), gathers, opts.unroll, budget)
+  budget = config.mesh.budget if gather == "auto" else config.budget
+  return AutoStep(lambda g, u: build(config.chosen(g, u), True), gathers, config.unroll, budget)

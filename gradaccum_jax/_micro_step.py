@@ -25,8 +25,8 @@ from gradaccum_jax._checks import (
   check_trainable,
   is_inexact,
 )
-from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._options import Options, make_options
+from gradaccum_jax._microbatch import Core, Objective
+from gradaccum_jax._options import Config, takes
 from gradaccum_jax._parts import (
   Inputs,
   Static,
@@ -38,15 +38,15 @@ from gradaccum_jax._parts import (
 from gradaccum_jax._sharding import Slots, place_params, reduce_parts
 
 
-def _held(units: tuple, state: MicroStepState) -> tuple:
-  """The open window's parts in ``state``, one per unit (``unit.held``)."""
-  return tuple(unit.held(state) for unit in units)
+def _held(units: dict, state: MicroStepState) -> dict:
+  """The open window's parts in ``state``, by unit name (``unit.held``)."""
+  return {name: unit.held(state) for name, unit in units.items()}
 
 
-def _holding(units: tuple, state: MicroStepState, parts: tuple) -> MicroStepState:
+def _holding(units: dict, state: MicroStepState, parts: dict) -> MicroStepState:
   """``state`` holding ``parts`` as its open window's (``unit.hold``)."""
-  for unit, part in zip(units, parts, strict=True):
-    state = unit.hold(state, part)
+  for name, unit in units.items():
+    state = unit.hold(state, parts[name])
   return state
 
 
@@ -54,9 +54,9 @@ class MicroStepLayout:
   """How a :class:`MicroStep` lays out its state: any mode's state checked and moved into it
   (on a mesh, the sums in device slots: ``_sharding.Slots``), the aux sums made."""
 
-  def __init__(self, acc: Any, opts: Options, slots: Slots, units: Callable[[Any], tuple]):
-    self._acc, self._loss, self.slots, self._units = acc, opts.loss, slots, units
-    self._reducers = opts.aux_reduce
+  def __init__(self, acc: Any, config: Config, slots: Slots, units: Callable[[Any], dict]):
+    self._acc, self._loss, self.slots, self._units = acc, config.loss, slots, units
+    self._reducers = config.loss.aux
 
   def check(self, state: Any) -> MicroStepState:
     if isinstance(state, AccumulateState):
@@ -111,22 +111,21 @@ class MicroStep:
   ``data_axis`` and ``has_state``.
   """
 
-  def __init__(self, opts: Options, tx: Accumulate, *, donate: bool, jit: bool):
-    self.tx, self._acc = tx, tx.settings
-    self._opts = opts = self._acc.options(opts)
-    dp = opts.parallel
+  def __init__(self, config: Config, tx: Accumulate, *, donate: bool, jit: bool):
+    self.tx, self._acc, self._config = tx, tx.settings, config
+    dp = config.mesh
     self._slots = Slots(dp)
-    self._mg = MicrobatchedGrad(opts, 1, noise_sums=self._acc.noise_scale_ema is not None)
-    units = self._mg.summed_units  # of the open window's parts (acc_grads -> units)
-    self._layout = MicroStepLayout(self._acc, opts, self._slots, units)
+    self._core = Core.make(config, 1, self._acc)
+    units = self._core.summed_units  # of the open window's parts (acc_grads -> units)
+    self._layout = MicroStepLayout(self._acc, config, self._slots, units)
     self.mesh = None if dp is None else dp.mesh
     self.data_axis = None if dp is None else dp.axes
-    self.has_state = opts.has_state
+    self.has_state = config.loss.has_state
     donate_argnums = ((0, 1, 2) if self.has_state else (0, 1)) if donate else ()
     fn = self._call_with_state if self.has_state else self._call
     self._fn = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
     # Donated, the closing branch writes the params over the donated ones.
-    self._end = CallEnd(self._acc, self._slots, opts, donate and jit, units)
+    self._end = CallEnd(self._acc, self._slots, config, donate and jit, units)
 
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
@@ -137,7 +136,7 @@ class MicroStep:
     ``model_state``, and ``rng`` if ``loss_fn`` takes one) is needed with ``has_aux`` only:
     the aux sums take their shapes from ``loss_fn``'s output on it.
     """
-    if self._opts.loss.has_aux and microbatch is None:
+    if self._config.loss.has_aux and microbatch is None:
       raise ValueError(
         "micro_step(..., has_aux=True): pass a micro-batch to init, step.init(params,"
         " microbatch) (ShapeDtypeStructs will do), so the aux sums get their shapes."
@@ -191,10 +190,10 @@ class MicroStep:
     like, in_place = static.value
     # Added to the slots outside the shard_map: added inside, XLA:CPU fused the add into the
     # select that clears the slots after the lax.cond, then copied them (tests/test_memory.py).
-    parts = [u.merge(a, b) for u, a, b in zip(units, own, new, strict=True)]  # by each's rule
+    parts = {n: u.merge(own[n], new[n]) for n, u in units.items()}  # by each's rule
     if in_place:  # the micro-batch's gradient was added into the accumulator itself
-      parts[0] = parts[0]._replace(grads=new[0].grads)
-    state = _holding(units, state, tuple(parts))
+      parts["sums"] = parts["sums"]._replace(grads=new["sums"].grads)
+    state = _holding(units, state, parts)
     return self._end(params, new_model_state, state, like)
 
   def _local(self, inputs: Inputs, own: tuple, axes: tuple):
@@ -206,23 +205,24 @@ class MicroStep:
     # in its buffer (undonated that buffer is copied first: 0.37 A more than the carried path on
     # the LM of tests/test_memory.py); otherwise the micro-batch's sums start from zeros.
     def loss():  # traced only for a weighted step
-      p, mb, rng, model_state, scale, _ = inputs
-      return jax.eval_shape(lambda: self._opts.objective(p, model_state, mb, rng, scale)[1][0])
+      p, mb, rng, model_state, _, _ = inputs
+      objective = Objective(self._config.loss, self._config.precision, "micro_step")
+      return jax.eval_shape(lambda: objective(p, model_state, mb, rng, None)[1][0])
 
-    why = self._mg.carried_because(inputs.params, own[0].grads, None, loss)
+    grads = own["sums"].grads
+    units = self._core.units(inputs.model_state, grads)
+    why = self._core.carried_because(inputs.params, grads, units, None, loss)
     why = "streaming" if why is None and not (self._end.donated and not axes) else why
-    acc = own[0].grads if why is None else jax.tree.map(jnp.zeros_like, own[0].grads)
-    units = self._mg.units(inputs.model_state, acc)
-    w = self._mg.local_sums(inputs, acc, vary=axes, carried=why, units=units)
+    acc = grads if why is None else jax.tree.map(jnp.zeros_like, grads)
+    w = self._core.window(inputs, acc, vary=axes, carried=why, units=units)
     # Each device's share (unweighted, its micro-batch weighs 1 / D): the slots add up to the
-    # window.
-    devices = self._slots.devices
-    shares = tuple(u.share(p, devices) for u, p in zip(units[:2], w.parts[:2], strict=True))
-    # The model state as its unit reduces it over the devices (not kept in slots).
-    new_model_state = w.model_state
-    if axes:
-      (new_model_state,) = reduce_parts(units[2:3], w.parts[2:3], (), axes)
-    return shares, (new_model_state, Static.shapes((w.loss_like, w.aux_like), why is None))
+    # window; the other parts (the model state) reduced over the devices, not kept in slots.
+    devices, held = self._slots.devices, set(own)
+    shares = {n: units[n].share(w.parts[n], devices) for n in held}
+    rest = {n: p for n, p in w.parts.items() if n not in held}
+    if axes and rest:
+      rest = reduce_parts({n: units[n] for n in rest}, rest, (), axes)
+    return shares, (rest.get("model_state"), Static.shapes((w.loss_like, w.aux_like), why is None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +232,9 @@ class CallEnd:
 
   acc: Any  # the Accumulator
   slots: Slots
-  opts: Options
+  config: Config
   donated: bool
-  units: Callable[[Any], tuple]  # acc_grads -> the open window's units (summed_units)
+  units: Callable[[Any], dict]  # acc_grads -> the open window's units (summed_units)
 
   def __call__(self, params, new_model_state, state, like):
     """``(new params, model state, state, metrics)``, the partial sums cleared where it closed;
@@ -267,7 +267,7 @@ class CallEnd:
       emit, close, hold, params, new_model_state, state
     )
     own = _held(units, state)
-    start = tuple(u.empty(p) for u, p in zip(units, own, strict=True))
+    start = {n: u.empty(own[n]) for n, u in units.items()}
     empty = jax.tree.map(lambda x, e: jnp.where(closed, e, x), own, start)
     new_params = place_params(self.slots.dp, out if donated else optax.apply_updates(params, out))
     # The counters' metrics read after the branch: with them among its outputs too, XLA:CPU
@@ -282,34 +282,25 @@ class CallEnd:
     own = _held(units, state)
     totals = self.slots.reduce(params, units, own)
     acc_state = _holding(units, state, totals).accumulate  # the window's (its noise sums)
-    sums = totals[0]
-    loss, aux = window_means(sums, *like, self.opts.aux_reduce)
+    sums = totals["sums"]
+    loss, aux = window_means(sums, *like, self.config.loss.aux)
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     closed = self.acc.close(sums.grads, sums.weight, acc_state, params, params, extra, mode=mode)
     # The partial sums as they were: the caller clears them after its lax.cond.
     new_state = _holding(units, state._replace(accumulate=closed.state), own)
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
-    metrics = window_metrics(closed, loss, aux, sums.weight, self.opts.loss.has_aux, scale)
+    metrics = window_metrics(closed, loss, aux, sums.weight, self.config.loss.has_aux, scale)
     if state.window_start is not None:  # a voided window restores float state as it found it
       new_model_state = keep_if_voided(closed.state.updated, new_model_state, state.window_start)
     return closed.out, new_model_state, new_state, metrics
 
 
+@takes("has_aux", "weight_fn", "has_state", "mesh", "data_axis", "param_specs", "grads_in_place",
+       "aux_reduce")  # fmt: skip
 def micro_step(
-  loss_fn: Callable[..., Any],
-  tx: Accumulate,
-  *,
-  has_aux: bool = False,
-  weight_fn: Callable[[Any], Any] | None = None,
-  has_state: bool = False,
-  mesh: Any = None,
-  data_axis: str | tuple[str, ...] | None = None,
-  param_specs: Any = None,
-  donate: bool = False,
-  jit: bool = True,
-  grads_in_place: bool = True,
-  aux_reduce: Any = None,
-) -> MicroStep:
+  loss_fn: Callable[..., Any], tx: Accumulate, *, donate: bool = False, jit: bool = True,
+  **options: Any,
+) -> MicroStep:  # fmt: skip
   r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
 
   For a data loader that yields micro-batches: ``step(params, state, microbatch, rng=None)``
@@ -351,16 +342,5 @@ def micro_step(
     (True, 2.5)
   """
   tx = as_accumulate(tx)
-  opts = make_options(
-    "micro_step",
-    loss_fn,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    has_state=has_state,
-    mesh=mesh,
-    data_axis=data_axis,
-    param_specs=param_specs,
-    grads_in_place=grads_in_place,
-    aux_reduce=aux_reduce,
-  )
-  return MicroStep(opts, tx, donate=bool(donate), jit=bool(jit))
+  config = Config.make("micro_step", loss_fn, **options)
+  return MicroStep(config, tx, donate=bool(donate), jit=bool(jit))

@@ -104,6 +104,7 @@ class ModelStateUnit(Unit):
   kinds: tuple[str | None, ...]
   var_to_mean: tuple[int | None, ...]
   initial: Any  # the model state the window starts from
+  name = "model_state"
 
   @classmethod
   def make(cls, model_state: Any, mode: str, momentum: float | None) -> ModelStateUnit:

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from gradaccum_jax._accumulate import as_accumulate
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._model_state import batchnorm_leaves
-from gradaccum_jax._options import Options, make_options, split_output
+from gradaccum_jax._options import OPTIONS, Config, split_output, takes
 from gradaccum_jax._sharding import DataParallel, leaf_plans, on_the_params_mesh
 from gradaccum_jax._train_step import JitStep, fused_step
 
@@ -77,7 +77,7 @@ class _LaidOut:
     return getattr(self._jitted, name)
 
 
-def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
+def _nnx_step(nnx: Any, config: Config, donate: bool, jit: bool):
   """:func:`nnx_train_step` for one gather policy: the model translated for ``fused_step``."""
 
   def step(model, optimizer, batch, *, num_real_microbatches=None):
@@ -88,10 +88,11 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
       )
     tx = as_accumulate(optimizer.tx, "optimizer.tx")
     wrt, graph = optimizer.wrt, optimizer.graph
-    momentum = _batchnorm_momentum(model, nnx) if opts.batchnorm == "per_window" else None
+    mode = config.batchnorm[0]
+    momentum = _batchnorm_momentum(model, nnx) if mode == "per_window" else None
     graphdef, params, rest = nnx.split(model, wrt, ..., graph=graph)
     params, rest = nnx.as_pure(params), nnx.as_pure(rest)
-    if opts.batchnorm == "frozen" and not any(batchnorm_leaves(rest)):
+    if mode == "frozen" and not any(batchnorm_leaves(rest)):
       raise ValueError(
         f"batchnorm='frozen' but the {type(model).__name__} has no BatchNorm statistics (variables"
         " 'mean' and 'var' side by side) outside the trained variables: use batchnorm='sequential'."
@@ -99,17 +100,17 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
 
     def loss(params, rest, mb, *stats):  # stats: (the window statistics,) with window_stats
       merged = nnx.merge(graphdef, params, rest)
-      value = opts.loss.fn(merged, mb, *stats)
-      value, aux = split_output(value, opts.loss.has_aux, "loss_fn(model, microbatch)")
+      value = config.loss.fn(merged, mb, *stats)
+      value, aux = split_output(value, config.loss.has_aux, "loss_fn(model, microbatch)")
       new_rest = nnx.as_pure(nnx.split(merged, wrt, ..., graph=graph)[2])
-      return opts.loss.pack(value, aux, new_rest)
+      return config.loss.pack(value, aux, new_rest)
 
     def stats(params, rest, mb):
-      return opts.window_stats.fn(nnx.merge(graphdef, params, rest), mb)
+      return config.stats.fn(nnx.merge(graphdef, params, rest), mb)
 
-    spec = dataclasses.replace(opts.loss, fn=loss)
-    ws = opts.window_stats and dataclasses.replace(opts.window_stats, fn=stats)
-    run = dataclasses.replace(opts, loss=spec, batchnorm_momentum=momentum, window_stats=ws)
+    ws = config.stats and dataclasses.replace(config.stats, fn=stats)
+    loss = dataclasses.replace(config.loss, fn=loss)
+    run = dataclasses.replace(config, loss=loss, batchnorm=(mode, momentum), stats=ws)
     new_params, new_rest, opt_state, metrics = fused_step(run, tx, donate and jit)(
       params, rest, nnx.as_pure(optimizer.opt_state), batch, None, num_real_microbatches
     )
@@ -121,7 +122,7 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   if not jit:
     return step
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
-  dp = opts.parallel
+  dp = config.mesh
   if donate and dp is not None:
     jitted = _LaidOut(jitted, lambda model, optimizer: _lay_out(nnx, dp, model, optimizer))
 
@@ -131,25 +132,9 @@ def _nnx_step(nnx: Any, opts: Options, donate: bool, jit: bool):
   return JitStep(jitted, k, calls_compiled=False)  # nnx.jit's lower takes other arguments
 
 
+@takes(*(n for n in OPTIONS if n not in ("has_state", "batchnorm_momentum")))
 def nnx_train_step(
-  loss_fn: Callable[..., Any],
-  *,
-  has_aux: bool = False,
-  weight_fn: Callable[[Any], Any] | None = None,
-  batchnorm: str = "sequential",
-  compute_dtype: Any = None,
-  mesh: Any = None,
-  data_axis: str | tuple[str, ...] | None = None,
-  param_specs: Any = None,
-  donate: bool = True,
-  jit: bool = True,
-  gather_params: str = "once",
-  memory_budget_bytes: int | None = None,
-  grads_in_place: bool = True,
-  aux_reduce: Any = None,
-  window_stats: Callable[..., Any] | None = None,
-  window_stats_reduce: Any = None,
-  unroll: int | str = 1,
+  loss_fn: Callable[..., Any], *, donate: bool = True, jit: bool = True, **options: Any
 ) -> Callable[..., dict[str, Any]]:
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
@@ -193,13 +178,8 @@ def nnx_train_step(
     raise ImportError(
       'ga.nnx_train_step needs flax: pip install "gradaccum_jax[flax]" (or pip install flax).'
     ) from e
-  opts = make_options(
-    "nnx_train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=True,
-    batchnorm=batchnorm, compute_dtype=compute_dtype, mesh=mesh, data_axis=data_axis,
-    # The trained variables are an nnx.State: a nested dict of specs is read as one.
-    param_specs=nnx.State(param_specs) if isinstance(param_specs, dict) else param_specs,
-    gather_params=gather_params, memory_budget_bytes=memory_budget_bytes, momentum_from_model=True,
-    grads_in_place=grads_in_place, aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce, unroll=unroll,
-  )  # fmt: skip
-  return gathered(lambda o, j: _nnx_step(nnx, o, donate, j), opts, jit)
+  specs = options.get("param_specs")
+  if isinstance(specs, dict):  # the trained variables are an nnx.State: a dict of specs as one
+    options["param_specs"] = nnx.State(specs)
+  config = Config.make("nnx_train_step", loss_fn, from_model=True, has_state=True, **options)
+  return gathered(lambda c, j: _nnx_step(nnx, c, donate, j), config, jit)

@@ -64,9 +64,11 @@ def add_noise(n: NoiseSums, sq: jax.Array, w: jax.Array | None, examples: Any = 
 
 @dataclasses.dataclass(frozen=True)
 class NoiseUnit(Unit):
-  """The scan's unit for the noise sums (protocol: ``_parts``)."""
+  """The noise sums' unit (protocol: ``_parts``); it needs each micro-batch's own gradient."""
 
   weighting: Weighting
+  name = "noise"
+  needs_grads = "noise"  # a key of _microbatch.CARRIED_BECAUSE
 
   def init(self, acc_init: Any, like: Micro) -> NoiseSums:
     return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)

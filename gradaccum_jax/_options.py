@@ -1,12 +1,16 @@
-"""The options of the micro-batched gradient, validated once and shared by every front end."""
+"""The options every step takes, declared once, and the records they are checked into."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import re
+import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._checks import (
@@ -18,10 +22,75 @@ from gradaccum_jax._checks import (
   check_int,
 )
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
-from gradaccum_jax._parts import AuxReducers, Weighting, cast_floats, reducer_names
+from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
-from gradaccum_jax._terms import Terms, combine, refused
-from gradaccum_jax._window_stats import WindowStats
+
+# Every keyword option of the steps: (default, what it does). Each public function takes the
+# ones it names in ``@takes(...)``, with these defaults and these docs.
+OPTIONS: dict[str, tuple[Any, str]] = {
+  "has_aux": (False, "``loss_fn`` returns ``(loss, aux)``; float aux averaged, integer summed."),
+  "weight_fn": (None, "``microbatch -> w_i``, e.g. its tokens (a dict: per term, docs/usage.md)."),
+  "has_state": (False, "``loss_fn(params, model_state, microbatch[, rng]) -> (loss, new_state)``;"
+                " the step takes and returns ``model_state`` after ``params``."),
+  "batchnorm": ("sequential", "BatchNorm statistics: ``\"sequential\"``, ``\"per_window\"`` or"
+                " ``\"frozen\"`` (docs/models.md)."),
+  "batchnorm_momentum": (None, "the running averages' momentum for ``\"per_window\"``."),
+  "compute_dtype": (None, "float params cast to it (e.g. ``jnp.bfloat16``) for the loss and the"
+                    " window statistics, whose layers may fix their own (docs/models.md)."),
+  "mesh": (None, "a ``jax.sharding.Mesh``: data parallel, one reduction per window"
+           " (docs/data_parallel.md)."),
+  "data_axis": (None, "the mesh axes the batch is split over (``\"data\"``)."),
+  "param_specs": (None, "the params' ``PartitionSpec`` prefix: FSDP and model axes."),
+  "gather_params": ("once", "FSDP params gathered ``\"once\"`` a window, ``\"per_microbatch\"``"
+                    " or ``\"auto\"`` (the first that fits the memory budget)."),
+  "memory_budget_bytes": (None, "the per-device budget of the ``\"auto\"`` choices."),
+  "grads_in_place": (True, "add each gradient into the accumulator in its backward pass where"
+                     " JAX can (0.11+; docs/models.md)."),
+  "aux_reduce": (None, "each aux leaf's reducer: ``\"mean\"``, ``\"sum\"``, ``\"max\"``,"
+                 " ``\"min\"``, ``\"last\"`` (a name, or a prefix of the aux)."),
+  "window_stats": (None, "``stats_fn(params, microbatch)``, reduced over the window first;"
+                   " ``loss_fn`` takes the result after the micro-batch (docs/models.md)."),
+  "window_stats_reduce": (None, "``window_stats``' reducers, as ``aux_reduce``."),
+  "unroll": (1, "micro-batches per trip of the loop, or ``\"auto\"`` (docs/choosing_k.md)."),
+}  # fmt: skip
+
+
+def takes(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Gives a public ``fn(..., **options)`` the keyword options ``names`` of :data:`OPTIONS`: in
+  its signature, in its docstring's Args (where it does not document them itself), and refused,
+  as Python refuses them, when not among them."""
+
+  def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+      for key in kwargs:
+        if key not in allowed:
+          raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {key!r}")
+      return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    allowed = {p.name for p in own if p.kind != p.POSITIONAL_ONLY} | set(names)
+    extra = [
+      inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=OPTIONS[n][0]) for n in names
+    ]
+    call.__signature__ = sig.replace(parameters=own + extra)
+    call.__doc__ = _with_docs(fn.__doc__ or "", names)
+    return call
+
+  return wrap
+
+
+def _with_docs(doc: str, names: tuple[str, ...]) -> str:
+  """``doc`` with an Args line for each option of ``names`` it does not document."""
+  said = {n.strip() for m in re.findall(r"^    ([\w, ]+):", doc, re.M) for n in m.split(",")}
+  lines = [
+    textwrap.fill(f"{n}: {OPTIONS[n][1]}", 96, initial_indent="    ", subsequent_indent="      ")
+    for n in names
+    if n not in said
+  ]
+  head, sep, tail = doc.partition("\n\n  Returns:")
+  return f"{head}\n" + "\n".join(lines) + sep + tail if lines and sep else doc
 
 
 def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, Any]:
@@ -39,8 +108,7 @@ def split_output(out: Any, has_aux: bool, what: str = "loss_fn") -> tuple[Any, A
 
 
 def check_loss(loss: Any, has_aux: bool, what: str = "loss_fn") -> Any:
-  """The loss as a scalar array (Python numbers accepted, as ``jax.value_and_grad`` does), or a
-  dict of them: a loss of several terms (``_terms``)."""
+  """The loss as a scalar array (Python numbers too), or at the top a dict of them: its terms."""
   if isinstance(loss, Mapping) and loss and what == "loss_fn":
     return {t: check_loss(x, has_aux, f"loss_fn's term {t!r}") for t, x in loss.items()}
   if not (hasattr(loss, "shape") or isinstance(loss, int | float)):
@@ -59,16 +127,16 @@ def check_loss(loss: Any, has_aux: bool, what: str = "loss_fn") -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossSpec:
-  """How ``loss_fn`` is called and what it returns."""
+class Loss:
+  """How ``loss_fn`` is called, what it returns and how its aux is reduced."""
 
   fn: Callable[..., Any]
-  has_aux: bool
-  has_state: bool
+  has_aux: bool = False
+  has_state: bool = False
   takes_stats: bool = False  # the window's statistics after the micro-batch (window_stats=)
+  aux: AuxReducers = AuxReducers()
 
-  def call(self, params: Any, model_state: Any, mb: Any, key: Any, stats: Any = None
-           ) -> tuple[Any, Any, Any]:  # fmt: skip
+  def call(self, params, model_state, mb, key, stats=None) -> tuple[Any, Any, Any]:
     """``(loss, aux, new_model_state)`` of one micro-batch (``stats``: the window's)."""
     args = (params, model_state, mb) if self.has_state else (params, mb)
     args = (*args, stats) if self.takes_stats else args
@@ -117,125 +185,109 @@ class LossSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """Everything about how a loss is turned into a window's sums, checked once."""
+class WindowStats:
+  """``window_stats=``: ``stats_fn(params, [model_state,] microbatch[, rng])`` (the core's
+  signature; the front ends translate theirs) and its reducers."""
 
-  loss: LossSpec
-  weighting: Weighting
-  batchnorm: str = "sequential"
-  batchnorm_momentum: float | None = None
+  fn: Callable[..., Any]
+  reducers: AuxReducers
+  has_state: bool
+
+  def call(self, params: Any, model_state: Any, mb: Any, key: Any) -> Any:
+    args = (params, model_state, mb) if self.has_state else (params, mb)
+    return self.fn(*(args if key is None else (*args, key)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+  """``compute_dtype=`` (float params cast to it for the loss and the statistics) and
+  ``grads_in_place=``."""
+
   compute_dtype: Any = None
-  parallel: DataParallel | None = None
-  where: str = "train_step"  # the public function the user called, for errors
-  grads_in_place: bool = True  # gradients added into the accumulator where JAX can
-  aux_reduce: AuxReducers = AuxReducers()  # how each aux leaf is reduced over a window
-  terms: Terms | None = None  # in a window of a loss with per-term weights, its terms' totals
-  window_stats: WindowStats | None = None  # statistics of the window the loss reads, else None
-  stats: Any = None  # their value in a window (_window_stats.WindowStats.window)
-  privacy: Any = None  # DP (_privacy.Privacy): each example's gradient clipped, else None
-  unroll: int | str = 1  # micro-batches per trip of the scan, or "auto" (_memory.gathered)
+  in_place: bool = True
+
+  def cast(self, params: Any) -> Any:
+    if self.compute_dtype is None:
+      return params
+    floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)  # noqa: E731
+    return jax.tree.map(lambda x: x.astype(self.compute_dtype) if floating(x) else x, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A step's options, checked once: one record per concern, each handed to its stage."""
+
+  where: str  # the public function the user called, for errors
+  loss: Loss
+  weighting: Weighting = Weighting(None)
+  precision: Precision = Precision()
+  batchnorm: tuple[str, float | None] = ("sequential", None)  # mode and momentum
+  stats: WindowStats | None = None
+  mesh: DataParallel | None = None
+  unroll: int | str = 1  # micro-batches per trip of the loop, or "auto"
   budget: int | None = None  # memory_budget_bytes of unroll="auto" (None: a margin over 1)
 
-  @property
-  def has_state(self) -> bool:
-    return self.loss.has_state
-
-  def objective(self, params, model_state, mb, key, scale, *, only=None, checked=False):
-    """(loss * scale in float32, (loss, aux, new_model_state)): what is differentiated. A loss of
-    several terms (``_terms``) as the sums take it: ``{"loss": ..., "loss_terms": ...}``;
-    ``only``: one term's alone; ``checked``: the rest also says whether every term of weight 0
-    is finite."""
-    params = cast_floats(params, self.compute_dtype)
-    loss, aux, new_state = self.loss.call(params, model_state, mb, key, self.stats)
-    clean = jnp.ones((), bool)
-    if isinstance(loss, dict):
-      if self.where == "micro_step":
-        raise TypeError(refused(self.where, list(loss)))
-      loss, clean = combine(loss) if self.terms is None else self.terms.combine(loss, mb, only)
-    value = loss["loss"] if isinstance(loss, dict) else loss
-    scaled = value.astype(jnp.promote_types(value.dtype, jnp.float32))
-    rest = (loss, aux, new_state, clean) if checked else (loss, aux, new_state)
-    return (scaled if scale is None else scaled * scale), rest
-
-  def for_window(self, terms: Terms) -> Options:
-    """These options in a window of a loss with per-term weights: each micro-batch weighs
-    ``u_i`` (``terms``: their window totals, ``_terms.Terms.make``)."""
-    return dataclasses.replace(self, terms=terms, weighting=Weighting(terms.weight))
-
-  def chosen(self, gather: str | None, unroll: int) -> Options:
-    """These options with one gather policy ("once" or "per_microbatch"; None without a mesh)
-    and one unroll, as ``"auto"`` compiles each (``_memory.gathered``)."""
-    parallel = (
-      self.parallel if gather is None else dataclasses.replace(self.parallel, gather=gather)
-    )
-    return dataclasses.replace(self, parallel=parallel, unroll=unroll)
-
-
-def make_options(
-  where: str,
-  loss_fn: Callable[..., Any],
-  *,
-  has_aux: bool = False,
-  weight_fn: Callable[[Any], Any] | None = None,
-  has_state: bool = False,
-  batchnorm: str = "sequential",
-  batchnorm_momentum: float | None = None,
-  compute_dtype: Any = None,
-  mesh: Any = None,
-  data_axis: Any = None,
-  param_specs: Any = None,
-  gather_params: str = "once",
-  memory_budget_bytes: int | None = None,
-  momentum_from_model: bool = False,
-  grads_in_place: bool = True,
-  aux_reduce: Any = None,
-  window_stats: Callable[..., Any] | None = None,
-  window_stats_reduce: Any = None,
-  unroll: int | str = 1,
-) -> Options:
-  """Validates the options of ``where`` (a public function's name) and builds them."""
-  check_function(loss_fn, f"{where}: loss_fn must be a function")
-  if weight_fn is not None:
-    check_function(weight_fn, f"{where}: weight_fn must be a function microbatch -> scalar weight")
-  check_batchnorm(batchnorm, batchnorm_momentum, bool(has_state), from_model=momentum_from_model)
-  if compute_dtype is not None:
-    compute_dtype = check_float_dtype(compute_dtype, "compute_dtype", where)
-  check_aux_reduce(aux_reduce, bool(has_aux), reducer_names(), where)
-  stats = _window_stats(window_stats, window_stats_reduce, bool(has_state), where)
-  unroll = check_unroll(unroll, where)
-  if memory_budget_bytes is not None:
-    if gather_params != "auto" and unroll != "auto":
-      raise ValueError(
-        f"{where}: memory_budget_bytes= is the budget of gather_params='auto' and"
-        f" unroll='auto'; got gather_params={gather_params!r}, unroll={unroll!r}."
+  @classmethod
+  def make(cls, where: str, loss_fn: Callable[..., Any], *, from_model: bool = False,
+           **options: Any) -> Config:  # fmt: skip
+    """The options of ``where`` (a public function's name) checked; ``from_model``: the Flax
+    steps read ``"per_window"``'s momentum from the model."""
+    o = {n: options.get(n, default) for n, (default, _) in OPTIONS.items()}
+    has_aux, has_state = bool(o["has_aux"]), bool(o["has_state"])
+    check_function(loss_fn, f"{where}: loss_fn must be a function")
+    if o["weight_fn"] is not None:
+      check_function(
+        o["weight_fn"], f"{where}: weight_fn must be a function microbatch -> scalar weight"
       )
-    check_budget(memory_budget_bytes, where)
-  return Options(
-    loss=LossSpec(loss_fn, bool(has_aux), bool(has_state), stats is not None),
-    unroll=unroll,
-    budget=memory_budget_bytes if unroll == "auto" else None,
-    window_stats=stats,
-    weighting=Weighting(weight_fn),
-    batchnorm=batchnorm,
-    batchnorm_momentum=None if batchnorm_momentum is None else float(batchnorm_momentum),
-    compute_dtype=compute_dtype,
-    parallel=make_data_parallel(
-      mesh,
-      data_axis,
-      param_specs,
+    check_batchnorm(o["batchnorm"], o["batchnorm_momentum"], has_state, from_model=from_model)
+    dtype = o["compute_dtype"]
+    dtype = None if dtype is None else check_float_dtype(dtype, "compute_dtype", where)
+    check_aux_reduce(o["aux_reduce"], has_aux, reducer_names(), where)
+    stats = _window_stats(o["window_stats"], o["window_stats_reduce"], has_state, where)
+    unroll, budget, gather = (
+      check_unroll(o["unroll"], where),
+      o["memory_budget_bytes"],
+      o["gather_params"],
+    )
+    if budget is not None:
+      if gather != "auto" and unroll != "auto":
+        raise ValueError(
+          f"{where}: memory_budget_bytes= is the budget of gather_params='auto' and"
+          f" unroll='auto'; got gather_params={gather!r}, unroll={unroll!r}."
+        )
+      check_budget(budget, where)
+    mesh = make_data_parallel(
+      o["mesh"],
+      o["data_axis"],
+      o["param_specs"],
       where,
-      gather_params,
-      memory_budget_bytes if gather_params == "auto" else None,
-    ),
-    where=where,
-    grads_in_place=check_bool(grads_in_place, f"{where}: grads_in_place"),
-    aux_reduce=AuxReducers(aux_reduce, where),
-  )
+      gather,
+      budget if gather == "auto" else None,
+    )
+    momentum = o["batchnorm_momentum"]
+    return cls(
+      where=where,
+      loss=Loss(
+        loss_fn, has_aux, has_state, stats is not None, AuxReducers(o["aux_reduce"], where)
+      ),
+      weighting=Weighting(o["weight_fn"]),
+      precision=Precision(dtype, check_bool(o["grads_in_place"], f"{where}: grads_in_place")),
+      batchnorm=(o["batchnorm"], None if momentum is None else float(momentum)),
+      stats=stats,
+      mesh=mesh,
+      unroll=unroll,
+      budget=budget if unroll == "auto" else None,
+    )
+
+  def chosen(self, gather: str | None, unroll: int) -> Config:
+    """This config with one gather policy ("once" or "per_microbatch"; None without a mesh)
+    and one unroll, as ``"auto"`` compiles each (``_memory.gathered``)."""
+    mesh = self.mesh if gather is None else dataclasses.replace(self.mesh, gather=gather)
+    return dataclasses.replace(self, mesh=mesh, unroll=unroll)
 
 
 def _window_stats(fn: Any, reduce: Any, has_state: bool, where: str) -> WindowStats | None:
-  """``window_stats=`` and ``window_stats_reduce=`` checked, as a :class:`WindowStats` (None
-  without them)."""
+  """``window_stats=`` and ``window_stats_reduce=`` checked (None without them)."""
   if fn is None:
     if reduce is not None:
       raise ValueError(

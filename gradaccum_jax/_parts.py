@@ -1,26 +1,23 @@
-"""The parts of a window: one small unit per feature, composed by every stage.
+"""The parts of a window: one small unit per feature, every stage a map over them by name.
 
-A unit (a :class:`Unit`, whose defaults stand for the verbs it leaves out) is a program of these
-verbs, each stage calling the ones it needs on every unit alike::
+A :class:`Unit` is a record of verbs (its defaults stand for those it leaves out)::
 
-  carry = unit.init(acc_init, like)       # before the scan (``like``: one Micro, abstract)
+  carry = unit.init(acc_init, like)       # before the loop (``like``: one Micro, abstract)
   carry = unit.update(carry, micro)       # once per micro-batch (a :class:`Micro`)
   part = unit.finalize(carry, num, rows)  # after ``num`` micro-batches of ``rows`` rows
   asks, finish = unit.reduce(part)        # over devices: what each collective combines ...
-  part = finish(combined)                 # ... and the window's part from the combined asks
-  part = unit.share(part, devices)        # linear: a device's share of the sum (1/D unweighted)
-  part = unit.merge(part, more)           # two partial windows, ``more`` of later micro-batches
-  part = unit.empty(part)                 # a window with nothing in it, shaped as ``part``
+  part = finish(combined)                 # ... and the window's part from them
+  part = unit.share(part, devices)        # linear: a device's share of the sum
+  part = unit.merge(part, more)           # two partial windows, ``more`` of later ones
+  part = unit.empty(part)                 # a window with nothing in it
   part = unit.held(state); state = unit.hold(state, part)  # an open window's part in a state
+  metrics |= unit.metrics(part)           # what the closed window reports
 
-``asks`` maps a collective to a tree: ``"grads"`` (gradient leaves, each reduced as its param
-is laid out), ``"sum"`` (one all-reduce for every unit's), ``"max"``, ``"min"`` and ``"state"``
-(model state: floats averaged where they differ, others maxed); a stage combines every unit's
-asks at once, so a window takes one all-reduce; device slots (a leading axis) are combined by
-the same asks (:func:`over_slots`). ``share`` is linear, so a stage applies it before the sum
-(``ga.micro_step``'s device slots) or after (the fused step). ``held``/``hold``: units whose
-part an open window keeps (the sums, the noise sums) read and write their own state fields. A
-feature that is off is the :class:`Off` unit, whose part is ``()``."""
+``asks`` maps a collective to a tree: ``"grads"`` (gradient leaves, reduced as their params are
+laid out), ``"sum"``, ``"max"``, ``"min"`` and ``"state"`` (model state); a stage combines every
+unit's asks at once (``_sharding.reduce_parts``: one all-reduce), device slots (a leading axis)
+by the same asks (:func:`over_slots`). A window's parts are a dict keyed by ``unit.name``; a
+feature that is off has no unit."""
 
 from __future__ import annotations
 
@@ -132,14 +129,6 @@ def sum_dtype(like: Any) -> Any:
   """The dtype a sum of ``like`` values is kept in: float32 or wider, int32 or wider."""
   floor = jnp.float32 if is_inexact(like) else jnp.int32
   return jnp.promote_types(jnp.result_type(like), floor)
-
-
-def cast_floats(params: Any, dtype: Any) -> Any:
-  """``params`` with float leaves cast to ``dtype`` (``compute_dtype``; None: as they are)."""
-  if dtype is None:
-    return params
-  floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)  # noqa: E731
-  return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, params)
 
 
 def zeros_accumulator(params: Any, accum_dtype: Any) -> Any:
@@ -278,7 +267,7 @@ def from_totals(totals: Any, weight: jax.Array, dtypes: Any) -> Any:
   return jax.tree.map(lambda t, d: rule_of(d).from_total(t, weight, d), totals, dtypes)
 
 
-def over_slots(units: tuple, parts: tuple) -> tuple:
+def over_slots(units: dict[str, Unit], parts: dict[str, Any]) -> dict[str, Any]:
   """The window of ``parts`` held in device slots (a leading axis of every leaf): each unit's
   slots combined as its ``reduce`` asks, as devices are (``_sharding.reduce_parts``)."""
 
@@ -290,7 +279,7 @@ def over_slots(units: tuple, parts: tuple) -> tuple:
       {n: jax.tree.map(functools.partial(combine[n], axis=0), t) for n, t in asks.items()}
     )
 
-  return tuple(one(u, p) for u, p in zip(units, parts, strict=True))
+  return {name: one(unit, parts[name]) for name, unit in units.items()}
 
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
@@ -612,9 +601,9 @@ class AuxReducers:
 
 
 class Window(NamedTuple):
-  """One batch's micro-batches as each unit keeps them, and what they were made of."""
+  """One batch's micro-batches as each unit keeps them (``parts``, by unit name)."""
 
-  parts: tuple  # the units' parts: (Sums, noise sums or (), model state or None)
+  parts: dict[str, Any]  # "sums": Sums, "noise", "model_state" (if on), and registered units'
   loss_like: jax.ShapeDtypeStruct  # one micro-batch's loss ...
   aux_like: Any  # ... and aux
   num: Any  # the micro-batches summed (k, or num_real_microbatches)
@@ -622,13 +611,11 @@ class Window(NamedTuple):
   overwrite: Any = None  # an overwritten part's new value (Overwritten; fp8), else None
   before: Any = None  # what the window computed before its loop, as metrics (a dict), or None
 
-  sums = property(lambda self: self.parts[0])  # Sums
-  noise = property(lambda self: self.parts[1])  # _noise.NoiseSums, or () without the noise scale
-  model_state = property(lambda self: self.parts[2])  # after the window (None without has_state)
+  sums = property(lambda self: self.parts["sums"])
+  model_state = property(lambda self: self.parts.get("model_state"))
 
   def means(self) -> tuple[jax.Array, Any, dict[str, Any]]:
-    """The weighted mean loss, the reduced aux (:func:`window_means`) and the window values of
-    a loss's terms (``{}`` for one term: ``_terms.split``)."""
+    """The weighted mean loss, the reduced aux and a loss's terms' values (``{}`` for one)."""
     loss, aux = window_means(self.sums, self.loss_like, self.aux_like, self.reducers)
     loss, terms = split_terms(loss)
     return loss, aux, terms
@@ -637,7 +624,9 @@ class Window(NamedTuple):
 class Unit:
   """The verbs of the protocol (this module's docstring) a unit may leave out: its carry is its
   part, combined over no collective and shared as it is, a later part replaces an earlier one,
-  an empty part is the part itself, and a state holds none of it."""
+  an empty part is the part itself, a state holds none of it, and it reports nothing."""
+
+  name = "unit"
 
   def finalize(self, carry: Any, num: Any, rows: int) -> Any:
     return carry
@@ -660,6 +649,9 @@ class Unit:
   def hold(self, state: Any, part: Any) -> Any:
     return state
 
+  def metrics(self, part: Any) -> dict[str, Any]:
+    return {}
+
 
 @dataclasses.dataclass(frozen=True)
 class SumsUnit(Unit):
@@ -669,6 +661,7 @@ class SumsUnit(Unit):
   weighting: Weighting
   reducers: AuxReducers
   dtypes: Any = None
+  name = "sums"
 
   def init(self, acc_init: Any, like: Micro) -> Sums:
     loss = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), sum_dtype(x)), like.loss)
@@ -681,24 +674,21 @@ class SumsUnit(Unit):
     return Sums(self.add_grads(s, m), weight, wt.add(s.loss, m.loss, w), aux)
 
   def add_grads(self, s: Sums, m: Micro) -> Any:
-    """The gradient sums after ``m`` (:func:`add_gradients`)."""
     return add_gradients(s.grads, m.grads, m.weight, s.weight, self.weighting)
 
   def counted_after(self, s: Sums) -> bool:
-    """Whether the total weight (unweighted: the number of micro-batches) is added after the
-    loop, in :meth:`finalize`, saving a kernel per micro-batch; not when a running mean needs it."""
+    """Unweighted, the total weight is the number of micro-batches, added after the loop (a
+    kernel per micro-batch saved), unless a running mean needs it in the loop."""
     return not self.weighting.weighted and not keeps_running_means(s.grads)
 
   def finalize(self, s: Sums, num: Any, rows: int) -> Sums:
-    """``s`` after a loop over ``num`` micro-batches (of ``rows`` rows each)."""
     if not self.counted_after(s):
       return s
     return s._replace(weight=s.weight + jnp.asarray(num, jnp.float32))
 
   def reduce(self, s: Sums) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Sums]]:
-    """The gradients asked as ``"grads"`` (a running mean as ``mean * weight`` in float32:
-    :func:`addends`), the weight, loss and summed aux as ``"sum"``, aux maxima and minima by
-    their reducers' collectives; the window from them (:func:`from_totals`)."""
+    """The gradients as ``"grads"`` (a running mean as ``mean * weight`` in float32), the
+    weight, loss and summed aux as ``"sum"``, aux maxima and minima by their collectives."""
     dtypes = jax.tree.map(jnp.result_type, s.grads) if self.dtypes is None else self.dtypes
     by = self.reducers.split(s.aux)
     asks = {"grads": addends(s.grads, s.weight, dtypes), **by}
@@ -725,47 +715,23 @@ class SumsUnit(Unit):
     return s.merged(more, self.reducers)
 
   def held(self, state: Any) -> Sums:
-    """The open window's sums in ``state`` (a ``MicroStepState``, or an ``AccumulateState``:
-    no loss or aux sums)."""
+    """The open window's sums in ``state`` (an ``AccumulateState`` holds no loss or aux sums)."""
     acc = getattr(state, "accumulate", state)
     loss, aux = getattr(state, "loss_sum", ()), getattr(state, "aux_sum", ())
     return Sums(acc.acc_grads, acc.acc_weight, loss, aux)
 
   def hold(self, state: Any, s: Sums) -> Any:
-    """``state`` holding ``s`` as its open window's sums."""
     if not hasattr(state, "accumulate"):
       return state._replace(acc_grads=s.grads, acc_weight=s.weight)
     acc = state.accumulate._replace(acc_grads=s.grads, acc_weight=s.weight)
     return state._replace(accumulate=acc, loss_sum=s.loss, aux_sum=s.aux)
 
   def empty(self, s: Sums) -> Sums:
-    """An empty window shaped as ``s``: zeros, an aux maximum or minimum at its start."""
     return jax.tree.map(jnp.zeros_like, s)._replace(aux=self.reducers.init(s.aux))
 
   def seed_factor(self, devices: int) -> int:
-    """What an open window's gradient sums are multiplied by when one device adds them into its
-    share: the inverse of :meth:`share` (exact for a power of two)."""
+    """The inverse of :meth:`share`: an open window's sums, added by one device into its share."""
     return 1 if self.weighting.weighted else devices
-
-
-@dataclasses.dataclass(frozen=True)
-class Off(Unit):
-  """A feature that is off: its carry is ``()``, nothing is computed or combined, and its part
-  of the window is ``final`` (``()``; None for the model state)."""
-
-  final: Any = ()
-
-  def init(self, *args: Any) -> tuple[()]:
-    return ()
-
-  def update(self, carry: tuple[()], m: Micro) -> tuple[()]:
-    return ()
-
-  def start(self, carry: tuple[()]) -> None:
-    return None
-
-  def finalize(self, carry: tuple[()], num: Any, rows: int) -> Any:
-    return self.final
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:

@@ -14,8 +14,9 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, accumulate, as_accumulate
 from gradaccum_jax._checks import check_real, check_weight, is_inexact
-from gradaccum_jax._options import Options, make_options
-from gradaccum_jax._parts import Micro, Weighting, addends, safe_mean, sq_norm
+from gradaccum_jax._microbatch import Backward, Objective
+from gradaccum_jax._options import Config
+from gradaccum_jax._parts import Micro, addends, safe_mean, sq_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,15 +29,18 @@ class Privacy:
   seed: int
   example_weight: Callable[[Any], Any] | None = None  # weight_fn: > 0 for a real example
 
-  def options(self, opts: Options) -> Options:
-    """``opts`` under DP: each micro-batch weighs its real examples (:meth:`micro`)."""
-    if opts.window_stats is not None:
+  def for_loss(self, config: Config) -> Privacy:
+    """These settings for a step's loss: ``weight_fn`` flags each real example."""
+    if config.stats is not None:
       raise ValueError(
-        f"{opts.where}: a DP transformation (ga.dp_accumulate) does not take window_stats=: each"
-        " example's clipped gradient may read that example only, not statistics of the window."
+        f"{config.where}: a DP transformation (ga.dp_accumulate) does not take window_stats=:"
+        " each example's clipped gradient may read that example only, not the window's."
       )
-    priv = dataclasses.replace(self, example_weight=opts.weighting.fn)
-    return dataclasses.replace(opts, privacy=priv, weighting=Weighting(priv.count))
+    return dataclasses.replace(self, example_weight=config.weighting.fn)
+
+  def backward(self, **fields: Any) -> PerExample:
+    """The window's backward strategy: each example's gradient clipped (:meth:`micro`)."""
+    return PerExample(privacy=self, **fields)
 
   def real(self, example: Any) -> jax.Array:
     """Whether ``example`` (a micro-batch of one row) is real: ``weight_fn`` above 0."""
@@ -56,7 +60,7 @@ class Privacy:
     """The micro-batch's real examples, as float32: its weight."""
     return jnp.sum(self.reals(mb).astype(jnp.float32))
 
-  def micro(self, opts: Options, params: Any, start: Any, mb: Any, key: Any) -> Micro:
+  def micro(self, objective: Objective, params: Any, start: Any, mb: Any, key: Any) -> Micro:
     """One micro-batch: each example's gradient (``loss_fn`` on a micro-batch of its row alone,
     example ``e`` with ``fold_in(key, e)``) clipped to ``l2_clip``, 0 for padding or a non-finite
     gradient; its gradient is their mean over its real examples, its weight their number, so the
@@ -66,14 +70,14 @@ class Privacy:
     ``sum_e f_e L_e`` with each ``f_e`` the clip factor, which is the clipped sum without the
     examples' gradients held side by side. Where an example's gradient is not finite (NaN
     padding), whose 0 * NaN would spread in that pass, the examples are summed one at a time."""
-    _check_state(start, opts.where)
+    _check_state(start, objective.where)
     mb = jax.tree.map(jnp.asarray, mb)  # a NumPy micro-batch is indexed by a traced example
     rows = jax.tree.leaves(mb)[0].shape[0]
     es = jnp.arange(rows)
 
     def loss_of(q: Any, e: jax.Array, ex: Any) -> tuple:  # (objective, (loss, aux, new_state))
       k = None if key is None else jax.random.fold_in(key, e)
-      return opts.objective(q, start, _one_row(ex), k, None)
+      return objective(q, start, _one_row(ex), k, None)
 
     def grad_of(e: jax.Array, ex: Any) -> Any:
       return jax.grad(lambda q: loss_of(q, e, ex)[0])(params)
@@ -106,8 +110,8 @@ class Privacy:
 
     grads, (loss, aux, new_state) = jax.lax.cond(jnp.all(finite), batched, one_by_one, None)
     mean = jax.tree.map(lambda x: safe_mean(jnp.sum(jnp.where(real, x, 0)), w), loss)
-    if opts.loss.has_aux:  # each leaf reduced over the real examples as over micro-batches
-      red, like = opts.aux_reduce, jax.tree.map(lambda x: x[0], aux)
+    if objective.loss.has_aux:  # each leaf reduced over the real examples as over micro-batches
+      red, like = objective.loss.aux, jax.tree.map(lambda x: x[0], aux)
 
       def add(acc: Any, xs: tuple) -> tuple:
         return red.add(acc, xs[0], xs[1].astype(jnp.float32), True), None
@@ -133,6 +137,16 @@ class Privacy:
       return x.astype(z.dtype) + std * z
 
     return treedef.unflatten([noisy(x, k) for x, k in zip(leaves, keys, strict=True)])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PerExample(Backward):
+  """DP's backward strategy: each example's gradient clipped to ``l2_clip`` (:meth:`Privacy.micro`)."""
+
+  privacy: Privacy
+
+  def micro(self, p: Any, start: Any, mb: Any, key: Any, w: jax.Array) -> Micro:
+    return self.privacy.micro(self.objective, p, start, mb, key)
 
 
 def _norm(grads: Any) -> tuple[jax.Array, jax.Array]:
@@ -263,12 +277,14 @@ def clipped_grad(
       "clipped_grad: tx must be made by ga.dp_accumulate (it holds l2_clip), got a transformation"
       " without privacy settings."
     )
-  opts = privacy.options(
-    make_options("clipped_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn)
+  config = Config.make("clipped_grad", loss_fn, has_aux=has_aux, weight_fn=weight_fn)
+  privacy, objective = (
+    privacy.for_loss(config),
+    Objective(config.loss, config.precision, "clipped_grad"),
   )
 
   def fn(params: Any, microbatch: Any, rng: Any = None) -> tuple[Any, Any, jax.Array]:
-    m = opts.privacy.micro(opts, params, None, microbatch, rng)
-    return opts.loss.pack(m.loss, m.aux, None), m.grads, m.weight
+    m = privacy.micro(objective, params, None, microbatch, rng)
+    return config.loss.pack(m.loss, m.aux, None), m.grads, m.weight
 
   return fn

@@ -395,14 +395,15 @@ def reduce_over_data(
   return out, extra
 
 
-def reduce_parts(units: tuple, parts: tuple, plans, axes, *, scattered=False) -> tuple:
-  """Each unit's part of a device's window combined over the data ``axes`` by what its
+def reduce_parts(units: dict, parts: dict, plans, axes, *, scattered=False) -> dict:
+  """Each unit's part of a device's window (by name) combined over the data ``axes`` by what its
   ``reduce`` asks (the protocol: ``_parts``): every unit's ``"sum"`` and ``"grads"`` in one
   all-reduce (:func:`reduce_over_data`; integer leaves carried in its float32 by
   :func:`_as_float32_parts`, as an all-reduce has one dtype), with reduce-scatters for the
   gradients of params sharded over the data axes only; ``"max"`` and ``"min"`` one more each per
   dtype; ``"state"`` by :func:`reduce_state`."""
-  asks, finishes = zip(*(u.reduce(p) for u, p in zip(units, parts, strict=True)), strict=True)
+  names = list(units)
+  asks, finishes = zip(*(units[n].reduce(parts[n]) for n in names), strict=True)
   extra = [a.get("sum", ()) for a in asks]
   grads = [a["grads"] for a in asks if "grads" in a]
   bits = _part_bits(jax.lax.axis_size(axes))
@@ -424,7 +425,7 @@ def reduce_parts(units: tuple, parts: tuple, plans, axes, *, scattered=False) ->
     if "grads" in a:
       got["grads"] = jax.tree.map(lambda _: next(it), a["grads"])
     out.append(finish({**got, "sum": total}))
-  return tuple(out)
+  return dict(zip(names, out, strict=True))
 
 
 def _part_bits(devices: int) -> int:
@@ -480,11 +481,10 @@ def shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes: 
 
 
 def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buffer=False) -> Any:
-  """Runs ``core.local_sums`` (a ``MicrobatchedGrad``'s single-device scan, returning a
-  ``Window``) on every device's rows under ``shard_map``, then reduces once
-  (:func:`reduce_parts`). Returns the batch's ``Window``, its gradients
-  added to ``acc_init``: with ``in_buffer`` in the scan, where a device starts from its share of
-  ``acc_init``; else after the reduction."""
+  """Runs ``core.window`` (a ``_microbatch.Core``'s scan on one device) on every device's rows
+  under ``shard_map``, then reduces once (:func:`reduce_parts`). Returns the batch's ``Window``,
+  its gradients added to ``acc_init``: with ``in_buffer`` in the scan, where a device starts from
+  its share of ``acc_init``; else after the reduction."""
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"
@@ -520,18 +520,18 @@ def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buf
     for a, g, s in zip(acc_leaves, jax.tree.leaves(sums.grads), seeded, strict=True)
   ])  # fmt: skip
   num = core.num_microbatches if inputs.num_real is None else inputs.num_real
-  parts = (sums._replace(grads=grads), *rest)
+  parts = {"sums": sums._replace(grads=grads), **rest}
   return Window(parts, *like.value[0], num, core.reducers, before=before)
 
 
 @dataclasses.dataclass(frozen=True)
 class _OverMesh:
   """:func:`over_mesh`'s body on one device: its rows' scan, then the reduction over devices;
-  returns ``(the sums, the other parts, what the window computed before its loop)`` and one micro-batch's loss and aux shapes (a
-  ``_parts.Static``)."""
+  returns ``(the sums, the other parts by name, what the window computed before its loop)`` and
+  one micro-batch's loss and aux shapes (a ``_parts.Static``)."""
 
   dp: DataParallel
-  core: Any  # a MicrobatchedGrad
+  core: Any  # a _microbatch.Core
   plans: tuple[_LeafPlan, ...]
   acc_leaves: tuple[Any, ...]  # the accumulator the window's gradients are added to
   seeded: tuple[bool, ...]  # per leaf: whether the scan starts from this device's share of it
@@ -546,7 +546,7 @@ class _OverMesh:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(dp.axes))
     # Zeros like the params (on an explicit mesh their model sharding is in the carry's type),
     # or this device's share of the seeds.
-    it, factor = iter(seeds), core.summed_units(self.acc_leaves)[0].seed_factor(dp.size)
+    it, factor = iter(seeds), core.summed_units(self.acc_leaves)["sums"].seed_factor(dp.size)
     acc0 = treedef.unflatten([
       p.seed(next(it), factor) if s else jnp.zeros_like(x, jnp.result_type(a))
       for x, a, p, s in zip(jax.tree.leaves(params), self.acc_leaves, plans, self.seeded, strict=True)
@@ -554,10 +554,11 @@ class _OverMesh:
     hook = PerMicrobatch(plans, dp.axes) if per_mb else None
     inputs = inputs._replace(params=params, rng=rng)
     units = core.units(inputs.model_state, acc0, hook)
-    w = core.local_sums(inputs, acc0, vary=dp.axes, per_micro=hook, units=units)
+    w = core.window(inputs, acc0, vary=dp.axes, per_micro=hook, units=units)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
-    sums, *others = (unit.share(part, dp.size) for unit, part in zip(units, parts, strict=True))
-    return (sums, tuple(others), w.before), Static.shapes((w.loss_like, w.aux_like))
+    parts = {name: unit.share(parts[name], dp.size) for name, unit in units.items()}
+    sums = parts.pop("sums")
+    return (sums, parts, w.before), Static.shapes((w.loss_like, w.aux_like))
 
 
 def _laid_out(dp: DataParallel, plans, inputs: Inputs, seeds: tuple, seed_plans: list) -> tuple:
@@ -660,9 +661,9 @@ class Slots:
         f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
       )
 
-  def first(self, parts: tuple, params: Any, reducers: Any) -> tuple:
-    """A window's ``parts`` (the sums first) in the first slot, the others zero, or the start of
-    an aux leaf's max or min (gradients laid out as ``params`` are over the model axes)."""
+  def first(self, parts: dict, params: Any, reducers: Any) -> dict:
+    """A window's ``parts`` (by name) in the first slot, the others zero, or the start of an aux
+    leaf's max or min (gradients laid out as ``params`` are over the model axes)."""
     if self.dp is None:
       return parts
     mesh = self.dp.mesh
@@ -677,16 +678,16 @@ class Slots:
         return zeros.at[0].set(x, out_sharding=sharding)
       return place(zeros.at[0].set(x), mesh, sharding.spec)
 
-    sums, *others = parts
+    sums, others = parts["sums"], {n: p for n, p in parts.items() if n != "sums"}
     grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
     rest, others = jax.tree.map(one, (sums._replace(grads=(), aux=()), others))
     # Per leaf its reducer's start (0, or the start of a max or min), a scalar: jax 0.10 cannot
     # place an array fill on the slots' sharding.
     records = reducers.records(sums.aux)
     aux = jax.tree.map(lambda x, r: one(x, fill=r.start(jnp.result_type(x))), sums.aux, records)
-    return (rest._replace(grads=grads, aux=aux), *others)
+    return {"sums": rest._replace(grads=grads, aux=aux), **others}
 
-  def local(self, local: Callable[..., Any], inputs: Inputs, own: Any) -> Any:
+  def local(self, local: Callable[..., Any], inputs: Inputs, own: dict) -> Any:
     """``local(inputs, own, axes) -> (slotted, replicated)`` of a micro-batch
     (``inputs.batch``): with a mesh every device's parts of its rows, in its own slot, with no
     gradient collective (data-sharded params gathered by GSPMD before), and what ``local``
@@ -706,9 +707,10 @@ class Slots:
 
     mb, rest = inputs.batch, list(inputs[2:])
     if _explicit(mesh):
-      slot, (sums, *others) = self._spec(), own
+      slot, sums = self._spec(), own["sums"]
       grad_specs = _per_leaf(lambda _, p: self._spec(p.model_spec), sums.grads, plans)
-      specs = (Sums(grad_specs, slot, slot, self._specs(sums.aux)), *self._specs(others))
+      specs = {n: self._specs(x) for n, x in own.items()}
+      specs["sums"] = Sums(grad_specs, slot, slot, self._specs(sums.aux))
       own = jax.tree.map(lambda x, s: place(x, mesh, s), own, specs)
       mb, rest = _rows_and_rest(dp, mb, rest)
     own_specs = self._specs(own)
@@ -716,19 +718,19 @@ class Slots:
     add = shard_map_over_data(per_device, dp, in_specs, (own_specs, P()))
     return add(Inputs(params, mb, *rest), own)
 
-  def reduce(self, params: Any, units: tuple, own: tuple) -> tuple:
-    """The window's parts (``own``: the slotted parts of ``units``, the sums first): the slots
-    reduced (:func:`reduce_parts`: one all-reduce, reduce-scatters for data-sharded params)."""
+  def reduce(self, params: Any, units: dict, own: dict) -> dict:
+    """The window's parts (``own``: the slotted parts of ``units``, by name): the slots reduced
+    (:func:`reduce_parts`: one all-reduce, reduce-scatters for data-sharded params)."""
     dp = self.dp
     if dp is None:
       return own
     plans, treedef = leaf_plans(dp, params), jax.tree.structure(params)
 
-    def per_device(*own):
+    def per_device(own):
       return reduce_parts(units, jax.tree.map(lambda x: x[0], own), plans, dp.axes)
 
-    sums = jax.tree.map(lambda _: P(), own[0])._replace(
+    out = {n: P() for n in own}
+    out["sums"] = jax.tree.map(lambda _: P(), own["sums"])._replace(
       grads=treedef.unflatten([p.manual for p in plans])
     )
-    out = (sums, *(P() for _ in own[1:]))
-    return shard_map_over_data(per_device, dp, self._specs(own), out)(*own)
+    return shard_map_over_data(per_device, dp, (self._specs(own),), out)(own)

@@ -44,18 +44,6 @@ class Terms:
   weight_fn: Callable[[Any], Any]  # microbatch -> {term: weight} for some of the names
   totals: Any = None  # {term: W_t} over the window and the devices
 
-  @classmethod
-  def make(cls, names, weight_fn, batch, *, k: int, num: Any, vary: tuple, split) -> Terms:
-    """The terms and every ``W_t`` over the window's first ``num`` micro-batches (and the
-    devices ``vary``), from ``weight_fn`` alone, before the loop (``split``: the micro-batch
-    split)."""
-    terms, i = cls(names, weight_fn), jnp.arange(k)
-    ws = jax.vmap(lambda j: terms.weights(split(batch, j, k)))(i)
-    # A weight <= 0 adds nothing; a NaN or an infinite one makes the total non-finite, which
-    # voids the window (:meth:`shares`).
-    out = {t: jnp.sum(jnp.where((i < num) & ~(w <= 0), w, 0.0)) for t, w in ws.items()}
-    return dataclasses.replace(terms, totals=jax.lax.psum(out, vary) if vary else out)
-
   def weights(self, mb: Any) -> dict[str, jax.Array]:
     """``{term: w_it}`` of micro-batch ``mb``: ``weight_fn``'s, 1 for a term it does not name."""
     given, one = self.weight_fn(mb), jnp.ones((), jnp.float32)

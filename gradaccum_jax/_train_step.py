@@ -1,4 +1,5 @@
-"""The fused step: scan the micro-batches, then close the window once, in one jitted program."""
+"""The fused entry points: a whole window in one program (``train_step``), or its loss and
+gradient (``value_and_grad``)."""
 
 from __future__ import annotations
 
@@ -18,74 +19,48 @@ from gradaccum_jax._accumulate import (
   window_metrics,
 )
 from gradaccum_jax._checks import (
+  check_num_microbatches,
   check_real_microbatches,
   check_same_structure,
 )
 from gradaccum_jax._memory import gathered
-from gradaccum_jax._microbatch import MicrobatchedGrad
-from gradaccum_jax._options import Options, make_options
+from gradaccum_jax._microbatch import Core
+from gradaccum_jax._options import OPTIONS, Config, takes
 from gradaccum_jax._parts import (
   Inputs,
   keep_if_voided,
   keeps_running_means,
+  mean_of,
   merge_gradients,
   overwritten,
+  zeros_accumulator,
 )
 from gradaccum_jax._sharding import place_params
 
 
+@takes(*OPTIONS)
 def train_step(
-  loss_fn: Callable[..., Any],
-  tx: optax.GradientTransformationExtraArgs,
-  *,
-  has_aux: bool = False,
-  weight_fn: Callable[[Any], Any] | None = None,
-  donate: bool = False,
-  jit: bool = True,
-  has_state: bool = False,
-  batchnorm: str = "sequential",
-  batchnorm_momentum: float | None = None,
-  compute_dtype: Any = None,
-  mesh: Any = None,
-  data_axis: str | tuple[str, ...] | None = None,
-  param_specs: Any = None,
-  gather_params: str = "once",
-  memory_budget_bytes: int | None = None,
-  grads_in_place: bool = True,
-  aux_reduce: Any = None,
-  window_stats: Callable[..., Any] | None = None,
-  window_stats_reduce: Any = None,
-  unroll: int | str = 1,
-) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:
+  loss_fn: Callable[..., Any], tx: optax.GradientTransformationExtraArgs, *, donate: bool = False,
+  jit: bool = True, **options: Any,
+) -> Callable[..., tuple[optax.Params, AccumulateState, dict[str, Any]]]:  # fmt: skip
   r"""A jitted step that accumulates a whole window and updates the params once.
 
-  ``step(params, state, batch, rng=None)`` splits ``batch`` into the ``k`` micro-batches of
-  ``tx = ga.accumulate(inner, k)`` (rows ``i, i + k, ...``), scans their weighted gradients into
-  ``state``'s fp32 accumulator and closes the window as the ``k``-th ``tx.update`` would: one
-  ``inner`` update on :math:`G = \sum_i w_i g_i / \sum_i w_i`, in one XLA program holding one
-  micro-batch's activations; ``state`` may be any mode's. Meshes: docs/data_parallel.md.
+  ``step(params, state, batch, rng=None)`` scans the ``k`` micro-batches of ``tx =
+  ga.accumulate(inner, k)`` (rows ``i, i + k, ...``) into ``state``'s accumulator and applies
+  ``inner`` once to :math:`G = \sum_i w_i g_i / \sum_i w_i`, in one XLA program that holds one
+  micro-batch's activations; ``state`` may be any mode's (docs/usage.md).
 
   Args:
-    loss_fn, has_aux, has_state: as in :func:`value_and_grad`; with ``has_state`` the step
-      takes and returns ``model_state`` after ``params``.
+    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss (a dict of
+      them: terms, docs/usage.md).
     tx: made by :func:`accumulate` with an int ``num_microbatches``.
-    weight_fn, window_stats, window_stats_reduce, batchnorm, batchnorm_momentum, compute_dtype:
-      as in :func:`value_and_grad`. donate, jit: donate ``params`` and ``state``; jit (default).
-    mesh, data_axis, param_specs, gather_params, memory_budget_bytes: data parallel over
-      ``mesh``'s ``data_axis``, FSDP params and how they are gathered (the budget: "auto"'s).
-    aux_reduce: each aux leaf's window reducer (docs/usage.md): ``"mean"`` (weighted; floats'),
-      ``"sum"`` (integers'), ``"max"``, ``"min"`` or ``"last"``; a name or an aux pytree prefix.
-    grads_in_place: where JAX can (0.11+), the backward pass adds into the accumulator
-      (docs/models.md); False: each gradient summed in the scan's carry.
-    unroll: micro-batches per trip of the loop, or ``"auto"``: the most that fit (choosing_k.md).
+    donate: donate ``params`` and ``state`` (the update writes over them).
+    jit: return the step jitted (default), or traceable.
 
   Returns:
     ``step(params, state, batch, rng=None, *, num_real_microbatches=None) -> (params, state,
-    metrics)`` with ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"`` (and ``"aux"``,
-    noise-scale estimates); ``num_real_microbatches=m`` uses micro-batches 0..m-1 (docs/usage.md).
-
-  Raises:
-    TypeError, ValueError: for a bad ``tx``, mesh, batch size, ``state`` or ``param_specs``.
+    metrics)``; ``metrics``: ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"updated"``, and
+    ``"aux"``, noise-scale estimates, ``"window_stats"``, ``"term_weights"`` where on.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -99,17 +74,10 @@ def train_step(
   """
   acc = as_accumulate(tx)
   k = acc.fixed_num_microbatches("train_step")
-  opts = make_options(
-    "train_step", loss_fn, has_aux=has_aux, weight_fn=weight_fn, has_state=has_state,
-    batchnorm=batchnorm, batchnorm_momentum=batchnorm_momentum, compute_dtype=compute_dtype,
-    mesh=mesh, data_axis=data_axis, param_specs=param_specs, gather_params=gather_params,
-    memory_budget_bytes=memory_budget_bytes, grads_in_place=grads_in_place,
-    aux_reduce=aux_reduce, window_stats=window_stats,
-    window_stats_reduce=window_stats_reduce, unroll=unroll,
-  )  # fmt: skip
+  has_state = bool(options.get("has_state"))
 
-  def build(o: Options, jit: bool = True):
-    fused = fused_step(o, acc, donated=donate and jit)
+  def build(config: Config, jit: bool = True):
+    fused = fused_step(config, acc, donated=donate and jit)
 
     def step_with_state(params, model_state, state, batch, rng=None, *, num_real_microbatches=None):
       return fused(params, model_state, state, batch, rng, num_real_microbatches)
@@ -124,7 +92,7 @@ def train_step(
     donated = tuple(range(3 if has_state else 2)) if donate else ()
     return JitStep(jax.jit(step, donate_argnums=donated), lambda args: k)
 
-  return gathered(build, opts, jit)
+  return gathered(build, Config.make("train_step", loss_fn, **options), jit)
 
 
 class JitStep:
@@ -152,20 +120,19 @@ class JitStep:
     return getattr(self._jitted, name)
 
 
-def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable[..., Any]:
+def fused_step(config: Config, tx: Accumulate, donated: bool = False) -> Callable[..., Any]:
   """``fused(params, model_state, state, batch, rng, num_real) -> (params, model_state, state,
   metrics)``: one window, scanned and closed; ``donated``: params and state are donated."""
   acc = tx.settings
-  opts = acc.options(opts)
-  k = tx.fixed_num_microbatches(opts.where)
-  mg = MicrobatchedGrad(opts, k, noise_sums=acc.noise_scale_ema is not None)
-  dp = opts.parallel
+  k = tx.fixed_num_microbatches(config.where)
+  core = Core.make(config, k, acc)
+  dp = config.mesh
 
   def fused(params, model_state, state, batch, rng, num_real):
     state = acc.check_state(state)
     # Params partly overwritten (fp8 variables): the optimizer trains the rest, as Flax's
     # TrainState trains the variables' "params" collection
-    ov = overwritten(params, opts.where)
+    ov = overwritten(params, config.where)
     trained, kept = (params, None) if ov is None else ov.split(params)
     check_same_structure(trained, state.acc_grads, "params" if ov is None else "the trained params")
     num_real = check_real_microbatches(num_real, k)
@@ -174,17 +141,16 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     # buffer when donated, so a window holds one accumulator. A running mean restarts from 0.
     seeded = not keeps_running_means(state.acc_grads)
     init = state.acc_grads if seeded else jax.tree.map(jnp.zeros_like, state.acc_grads)
-    inputs = Inputs(params, batch, rng, model_state, scale, num_real)
-    window = mg.sums(inputs, init, seeded, overwrite=ov)
+    window = core.sums(Inputs(params, batch, rng, model_state, scale, num_real), init, seeded, ov)
     sums = window.sums
     if seeded:  # close writes the new zeros (donated: over the sums, after the update)
       acc_grads, cleared = sums.grads, None
     else:
       acc_grads, cleared = merge_open_window(state, sums.grads, sums.weight, donated)
     weight = state.acc_weight + sums.weight
-    # The other sums the state holds (the noise scale's) merged into the open window's.
-    for unit, part in zip(mg.summed_units(init)[1:], window.parts[1:], strict=False):
-      state = unit.hold(state, unit.merge(unit.held(state), part))
+    for name, unit in core.summed_units(init).items():  # other open sums (the noise scale's)
+      if name != "sums":
+        state = unit.hold(state, unit.merge(unit.held(state), window.parts[name]))
     loss, aux, terms = window.means()
     extra = {"value": loss, "grad": MEAN_GRADIENT}
     mode = "in_place" if donated else "select"
@@ -202,13 +168,14 @@ def fused_step(opts: Options, tx: Accumulate, donated: bool = False) -> Callable
     new_state = new_state._replace(acc_grads=placed(cleared))
     new_params = placed(closed.out)
     if ov is not None:  # written over the old values once per window, kept if it is voided
-      new = keep_if_voided(new_state.updated, window.overwrite, kept)
-      new_params = ov.join(params, new_params, new)
+      new_params = ov.join(
+        params, new_params, keep_if_voided(new_state.updated, window.overwrite, kept)
+      )
     # A voided window restores float model state (statistics), counters advance; None stays None.
     new_model_state = keep_if_voided(new_state.updated, window.model_state, model_state)
-    metrics = window_metrics(closed, loss, aux, sums.weight, opts.loss.has_aux, scale)
-    metrics.update(terms, **(window.before or {}), updated=new_state.updated)
-    return new_params, new_model_state, new_state, metrics
+    metrics = window_metrics(closed, loss, aux, sums.weight, config.loss.has_aux, scale)
+    metrics.update(terms, **(window.before or {}), **core.metrics(window))
+    return new_params, new_model_state, new_state, dict(metrics, updated=new_state.updated)
 
   return fused
 
@@ -232,3 +199,64 @@ def merge_open_window(
     return merged, jax.tree.map(lambda m: jnp.where(is_open, jnp.zeros_like(m), m), merged)
 
   return apply_if(is_open, merge, (grads, state.acc_grads))
+
+
+@takes(*(n for n in OPTIONS if n != "memory_budget_bytes"))
+def value_and_grad(
+  loss_fn: Callable[..., Any], num_microbatches: int, *, accum_dtype: Any = jnp.float32,
+  **options: Any,
+) -> Callable[..., Any]:  # fmt: skip
+  r"""Like ``jax.value_and_grad`` over a whole batch, computed one micro-batch at a time.
+
+  A ``lax.scan`` over the ``k`` micro-batches of :func:`microbatch` sums their weighted losses
+  and gradients, holding one micro-batch's activations: :math:`L = \sum_i w_i L_i / \sum_i w_i`
+  and :math:`G = \sum_i w_i \nabla L_i / \sum_i w_i` (``w_i`` 1, or ``weight_fn``'s).
+
+  Args:
+    loss_fn: ``loss_fn(params, microbatch[, rng])``, the micro-batch's mean loss.
+    num_microbatches: ``k``, a positive int that divides the batch size.
+    accum_dtype: the accumulator's dtype (float32; ``None``: the gradients').
+
+  Returns:
+    ``(params, batch, rng=None, *, num_real_microbatches=None) -> (loss, grads)``, shaped as
+    ``jax.value_and_grad``'s with ``has_aux``; with ``has_state``, ``model_state`` after
+    ``params`` and ``(loss, new_model_state)``. Call it under jit.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, gradaccum_jax as ga
+    >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> batch = {"x": jnp.arange(16.0).reshape(8, 2) / 8, "y": jnp.ones(8)}
+    >>> w = jnp.array([0.5, -0.5])
+    >>> loss, grads = ga.value_and_grad(loss_fn, num_microbatches=4)(w, batch)
+    >>> ref_loss, ref_grads = jax.value_and_grad(loss_fn)(w, batch)
+    >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(grads, ref_grads))
+    (True, True)
+  """
+  k = check_num_microbatches(num_microbatches, allow_schedule=False)
+  accum_dtype = None if accum_dtype is None else jnp.dtype(accum_dtype)
+  for name, instead in (("gather_params", "'once' or 'per_microbatch'"), ("unroll", "an int")):
+    if isinstance(options.get(name), str) and options[name] == "auto":
+      raise ValueError(
+        f"value_and_grad: {name}='auto' compiles each candidate, which needs the jitted step of"
+        f" ga.train_step; pass {instead}."
+      )
+  config = Config.make("value_and_grad", loss_fn, **options)
+  core = Core.make(config, k)
+
+  def vg_state(params, model_state, batch, rng=None, *, num_real_microbatches=None):
+    num_real = check_real_microbatches(num_real_microbatches, k)
+    # params partly overwritten (fp8): that part's "gradient" is its window's new value
+    ov = overwritten(params, "value_and_grad")
+    trained = params if ov is None else ov.split(params)[0]
+    inputs = Inputs(params, batch, rng, model_state, None, num_real)
+    w = core.sums(inputs, zeros_accumulator(trained, accum_dtype), overwrite=ov)
+    mean = mean_of(w.sums.grads, w.sums.weight)
+    grads = jax.tree.map(lambda a, p: a.astype(jnp.result_type(p)), mean, trained)
+    grads = grads if ov is None else ov.join(params, grads, w.overwrite)
+    loss, aux, _ = w.means()
+    return config.loss.pack(loss, aux, w.model_state), grads
+
+  def vg(params, batch, rng=None, *, num_real_microbatches=None):
+    return vg_state(params, None, batch, rng, num_real_microbatches=num_real_microbatches)
+
+  return vg_state if config.loss.has_state else vg
