@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -17,7 +16,6 @@ import optax
 
 from gradaccum_jax._accumulate import Accumulate, AccumulateState, MicroStepState
 from gradaccum_jax._checks import check_batch, check_num_microbatches, check_real
-from gradaccum_jax._micro_step import MicroStep
 from gradaccum_jax._microbatch import microbatch
 from gradaccum_jax._train_step import value_and_grad
 
@@ -441,19 +439,21 @@ def check_step(
   window = _run_window(step, loss_fn, params, opt_state, batch)
   like = jax.eval_shape(inner_tx.init, window.params)
   if inner_state is None:  # the step's where it has inner_tx's structure
-    found = _inner_of(window.state, like)
-    inner_state = inner_tx.init(window.params) if found is None else found
+    found = _inner_of(window.state, like, window.params)
+    inner_state = found[1] if found is not None and found[0] == 0 else inner_tx.init(window.params)
   ref = _whole_batch(window, inner_tx, has_aux, inner_state, float(rtol))
   if jax.tree.structure(window.new_params) != jax.tree.structure(ref.params):
     raise ValueError(
       f"The step's new params have the structure {jax.tree.structure(window.new_params)}, the"
       f" params {jax.tree.structure(ref.params)}: step must return (new_params, ...)."
     )
-  return _judge(window, ref, float(rtol), _inner_of(window.new_state, like))
+  return _judge(window, ref, float(rtol), _inner_of(window.new_state, like, window.params))
 
 
-class _Window(NamedTuple):
-  """One window of a step, on host copies: what :func:`check_step` compares."""
+class CheckWindow(NamedTuple):
+  """One window of a step, on host copies: what :func:`check_step` compares. A front end's step
+  says how it runs one: ``step.check_window(step, loss_fn, a, b, c)`` (``check_step``'s
+  arguments after ``inner_tx``) returns it; others run as ``step(params, opt_state, batch)``."""
 
   params: Any  # the trained params before it
   batch: Any
@@ -463,8 +463,14 @@ class _Window(NamedTuple):
   new_state: Any  # and after, or None
   metrics: Any  # the step's metrics dict, or None
 
+  @classmethod
+  def after(cls, host: tuple, loss_fn: Any, new: Any, new_state: Any, metrics: Any) -> CheckWindow:
+    """The window from ``host`` (:func:`host_arguments`, taken before the step ran) and what the
+    step returned."""
+    return cls(host[0], host[2], loss_fn, _host(new), host[1], _host(new_state), metrics)
 
-_HOW = (
+
+HOW = (
   "check_step calls the step as you pass its arguments: check_step(step, loss_fn, inner_tx,"
   " params, opt_state, batch) for ga.train_step or your own step(params, opt_state, batch),"
   " (..., train_state, batch) for ga.linen_train_step, (..., model, optimizer, batch) for"
@@ -473,73 +479,32 @@ _HOW = (
 )
 
 
-def _run_window(step, loss_fn, params, opt_state, batch) -> _Window:
-  """Runs one window of ``step`` on copies of its arguments, by the kind of step."""
-  nnx = sys.modules.get("flax.nnx")
-  train_state = sys.modules.get("flax.training.train_state")
-  is_nnx = nnx is not None and isinstance(params, nnx.Module)
-  is_train_state = train_state is not None and isinstance(params, train_state.TrainState)
-  if is_nnx and not isinstance(opt_state, nnx.Optimizer):
-    raise TypeError(
-      f"An NNX model's step takes (model, optimizer, batch), the optimizer an nnx.Optimizer"
-      f"(model, ga.accumulate(inner, k), wrt=nnx.Param), got {type(opt_state).__name__}: {_HOW}"
-    )
-  if is_train_state and batch is not None and opt_state is not None:
-    raise TypeError(f"A TrainState's step takes (train_state, batch): {_HOW}")
-  batch = opt_state if is_train_state and batch is None else batch
+def _run_window(step, loss_fn, params, opt_state, batch) -> CheckWindow:
+  """Runs one window of ``step`` on copies of its arguments, as the step says, or as a plain
+  ``step(params, opt_state, batch) -> (new_params, new_state, ...)``."""
+  custom = getattr(step, "check_window", None)
+  if custom is not None:
+    return custom(step, loss_fn, params, opt_state, batch)
   if batch is None:
-    raise TypeError(f"batch is missing: {_HOW}")
-  if is_nnx:  # the reference's loss on the trained variables (optimizer.wrt), the rest held
-    graphdef, trained, rest = nnx.split(params, opt_state.wrt, ..., graph=opt_state.graph)
-    rest, model_loss = nnx.as_pure(rest), loss_fn
-    host = _host_arguments(nnx.as_pure(trained), nnx.as_pure(opt_state.opt_state), batch)
-    whole, parts = nnx.split((params, opt_state))  # copied: nnx.clone shares the arrays
-    model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
-    metrics = _call(step, model, optimizer, _copies(batch), copy=False)
-    new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
-    new_state = nnx.as_pure(optimizer.opt_state)
-
-    def loss_fn(params, batch):
-      return model_loss(nnx.merge(graphdef, params, rest), batch)
-
-  elif is_train_state:
-    host = _host_arguments(params.params, params.opt_state, batch)
-    out = _call(step, params, batch)
-    new, metrics = out if isinstance(out, tuple | list) else (out, None)
-    new, new_state = new.params, new.opt_state
-  elif isinstance(step, MicroStep):  # on the k micro-batches of batch (rows i, i + k, ...)
-    if step.has_state:
-      raise ValueError(
-        "check_step runs a ga.micro_step as step(params, state, microbatch), and compares it with"
-        " a loss without model state; this one has has_state=True. Check the same loss with"
-        " ga.micro_step(..., has_state=False) (model state fixed, e.g. BatchNorm in eval mode)."
-      )
-    host = _host_arguments(params, opt_state, batch)
-    k = step.tx.num_microbatches
-    k = k if isinstance(k, int) else max(int(k(np.asarray(opt_state.count))), 1)
-    check_batch(batch, k)
-    new, new_state, metrics = _copies((params, opt_state)) + (None,)
-    for i in range(k):
-      new, new_state, metrics = step(new, new_state, microbatch(batch, i, k))
-  else:
-    host = _host_arguments(params, opt_state, batch)
-    out = _call(step, params, opt_state, batch)
-    out = out if isinstance(out, tuple | list) else (out,)
-    metrics = next((o for o in out[1:] if isinstance(o, dict) and "grad_norm" in o), None)
-    new, new_state = out[0], (out[1] if len(out) > 1 and out[1] is not metrics else None)
-  return _Window(host[0], host[2], loss_fn, _host(new), host[1], _host(new_state), metrics)
+    raise TypeError(f"batch is missing: {HOW}")
+  host = host_arguments(params, opt_state, batch)
+  out = call_copied(step, params, opt_state, batch)
+  out = out if isinstance(out, tuple | list) else (out,)
+  metrics = next((o for o in out[1:] if isinstance(o, dict) and "grad_norm" in o), None)
+  new_state = out[1] if len(out) > 1 and out[1] is not metrics else None
+  return CheckWindow.after(host, loss_fn, out[0], new_state, metrics)
 
 
-def _call(step, *args, copy=True):
+def call_copied(step, *args, copy=True):
   """``step`` on copies of ``args`` (it may donate them); its error says how it was called."""
   try:
-    return step(*(_copies(args) if copy else args))
+    return step(*(copies(args) if copy else args))
   except Exception as e:
-    e.add_note(_HOW)
+    e.add_note(HOW)
     raise
 
 
-def _copies(tree):
+def copies(tree):
   return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
 
 
@@ -559,7 +524,7 @@ def _ga_state(tree) -> Any:
   return next((x for x in jax.tree.leaves(tree, is_leaf=is_ga) if is_ga(x)), None)
 
 
-def _host_arguments(params, state, batch) -> Any:
+def host_arguments(params, state, batch) -> Any:
   """Host copies of ``(params, state, batch)``, refusing a state inside a window."""
   ga = _ga_state(state)
   if ga is not None and int(np.asarray(ga.micro_step)) != 0:
@@ -571,19 +536,36 @@ def _host_arguments(params, state, batch) -> Any:
   return _host((params, state, batch))
 
 
-def _inner_of(state, like) -> Any:
-  """The first subtree of ``state`` shaped as ``like`` (inner_tx's state): a ``ga`` state's
-  ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``, a wrapper's inner state; or None."""
+def _subtrees(tree: Any) -> list[Any]:
+  """Every node of ``tree``, the root first, level by level."""
+  out, todo = [], [tree]
+  while todo:
+    node = todo.pop(0)
+    out.append(node)
+    kids = jax.tree_util.tree_flatten(node, is_leaf=lambda x, node=node: x is not node)[0]
+    todo += [] if len(kids) == 1 and kids[0] is node else kids
+  return out
+
+
+def _inner_of(state, like, params) -> tuple[int, Any] | None:
+  """``(i, s)``: ``s`` the first subtree of ``state`` shaped as ``like``'s ``i``-th subtree (in
+  :func:`_subtrees`' order; 0: inner_tx's whole state), the largest that one fits: a ``ga``
+  state's ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``, a wrapper's inner state,
+  or the part of ``inner_tx``'s state that another state keeps (Adam's, beside a clip's); None
+  if none fits. A subtree shaped as the params alone (an accumulator) is not looked for."""
   ga = _ga_state(state)
-  state = state if ga is None else ga.inner_state
-  shapes = [np.shape(x) for x in jax.tree.leaves(like)]
+  mine = _subtrees(state if ga is None else ga.inner_state)
+  plain = jax.tree.structure(params)
 
-  def fits(x):
-    leaves = jax.tree.leaves(x)
-    same = jax.tree.structure(x) == jax.tree.structure(like)
-    return same and [np.shape(v) for v in leaves] == shapes
+  def shape(x):
+    return jax.tree.structure(x), [np.shape(v) for v in jax.tree.leaves(x)]
 
-  return next((x for x in jax.tree.leaves(state, is_leaf=fits) if fits(x)), None)
+  for i, sub in enumerate(_subtrees(like)):
+    if jax.tree.leaves(sub) and jax.tree.structure(sub) != plain:
+      found = next((x for x in mine if shape(x) == shape(sub)), None)
+      if found is not None:
+        return i, found
+  return None
 
 
 class _Reference(NamedTuple):
@@ -596,7 +578,7 @@ class _Reference(NamedTuple):
   factor: float | None  # c where inner_tx's update is c * g (SGD), else None
 
 
-def _whole_batch(window: _Window, inner_tx, has_aux, inner_state, rtol) -> _Reference:
+def _whole_batch(window: CheckWindow, inner_tx, has_aux, inner_state, rtol) -> _Reference:
   """The whole batch's gradient, and ``inner_tx``'s update and state at it (``value=`` and
   ``grad=`` passed as ``ga`` passes them); its updates at ``g ± rtol max|g| r`` (random signs
   ``r``: what it makes of a gradient within ``rtol``), at ``2 g`` and ``g / 2`` (is it ``c g``?),
@@ -660,8 +642,10 @@ def _from_state(params, states, mine) -> tuple[dict[str, float], list[str]]:
   ``mu`` and ``nu``, under any wrapper), the step's against the reference's ``T(g)``, over the
   largest entry of the gradient's part ``T(g) - T(0)`` of its tree. Trees odd in ``g`` (``mu``,
   whose error is the gradient's) are read, else the others (``nu``)."""
-  if mine is None or jax.tree.structure(mine) != jax.tree.structure(states[0]):
+  if mine is None:
     return {}, []
+  index, mine = mine
+  states = [_subtrees(x)[index] for x in states]  # the part of inner_tx's state the step keeps
   paths = [
     (jax.tree_util.keystr(p), np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)
   ]
@@ -691,7 +675,7 @@ def _from_state(params, states, mine) -> tuple[dict[str, float], list[str]]:
   return dict(sorted(errors.items(), key=lambda e: names.index(e[0]))), [f[1] for f in read]
 
 
-def _judge(window: _Window, ref: _Reference, rtol: float, mine: Any) -> StepCheck:
+def _judge(window: CheckWindow, ref: _Reference, rtol: float, mine: Any) -> StepCheck:
   """The verdict: the gradient where it was read (``mine``: the step's new inner state), the
   update within what ``inner_tx`` makes of a gradient within ``rtol``, and the gradient seen."""
   paths = [jax.tree_util.keystr(p) or "params" for p, _ in jax.tree.leaves_with_path(ref.params)]

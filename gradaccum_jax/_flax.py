@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from gradaccum_jax._accumulate import as_accumulate
+from gradaccum_jax._equivalence import HOW, CheckWindow, call_copied, host_arguments
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._options import OPTIONS, Config, Loss, split_output, takes
 from gradaccum_jax._parts import Overwritten, register_overwrite
@@ -234,7 +235,23 @@ def linen_train_step(
   """
   config = Config.make("linen_train_step", loss_fn, from_model=True, has_state=True, **options)
   model = _LinenModel.make(module, inputs, train_kwargs, rng_collections)
-  return gathered(lambda c, j: _linen_step(model, c, donate, j), config, jit)
+  step = gathered(lambda c, j: _linen_step(model, c, donate, j), config, jit)
+  step.check_window = _check_window
+  return step
+
+
+def _check_window(step, loss_fn, train_state, batch, more) -> CheckWindow:
+  """One window of a Linen step, ``step(train_state, batch)`` (``ga.check_step``)."""
+  if more is not None and hasattr(train_state, "opt_state"):
+    raise TypeError(f"A TrainState's step takes (train_state, batch): {HOW}")
+  if more is not None:  # not a TrainState: the step says what it takes
+    call_copied(step, train_state, batch, more)
+  if batch is None:
+    raise TypeError(f"batch is missing: {HOW}")
+  host = host_arguments(train_state.params, train_state.opt_state, batch)
+  out = call_copied(step, train_state, batch)
+  new, metrics = out if isinstance(out, tuple | list) else (out, None)
+  return CheckWindow.after(host, loss_fn, new.params, new.opt_state, metrics)
 
 
 def check_linen_args(inputs: Any, train_kwargs: Any, rng_collections: Any) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gradaccum_jax._accumulate import (
@@ -25,7 +26,8 @@ from gradaccum_jax._checks import (
   check_trainable,
   is_inexact,
 )
-from gradaccum_jax._microbatch import Core, Objective
+from gradaccum_jax._equivalence import HOW, CheckWindow, copies, host_arguments
+from gradaccum_jax._microbatch import Core, Objective, microbatch
 from gradaccum_jax._options import Config, takes
 from gradaccum_jax._parts import (
   Inputs,
@@ -160,6 +162,25 @@ class MicroStep:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self._fn(*args, **kwargs)
+
+  def check_window(self, step, loss_fn, params, state, batch) -> CheckWindow:
+    """One window on the ``k`` micro-batches of ``batch`` (``ga.check_step``)."""
+    if self.has_state:
+      raise ValueError(
+        "check_step runs a ga.micro_step as step(params, state, microbatch), and compares it with"
+        " a loss without model state; this one has has_state=True. Check the same loss with"
+        " ga.micro_step(..., has_state=False) (model state fixed, e.g. BatchNorm in eval mode)."
+      )
+    if batch is None:
+      raise TypeError(f"batch is missing: {HOW}")
+    host = host_arguments(params, state, batch)
+    k = self.tx.num_microbatches
+    k = k if isinstance(k, int) else max(int(k(np.asarray(state.count))), 1)
+    check_batch(batch, k)
+    new, new_state, metrics = copies((params, state)) + (None,)
+    for i in range(k):
+      new, new_state, metrics = self(new, new_state, microbatch(batch, i, k))
+    return CheckWindow.after(host, loss_fn, new, new_state, metrics)
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
     """The jitted call's ``lower`` (for compiled memory and HLO)."""

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from gradaccum_jax._accumulate import as_accumulate
+from gradaccum_jax._equivalence import HOW, CheckWindow, call_copied, copies, host_arguments
 from gradaccum_jax._memory import gathered
 from gradaccum_jax._model_state import batchnorm_leaves
 from gradaccum_jax._options import OPTIONS, Config, split_output, takes
@@ -182,4 +183,30 @@ def nnx_train_step(
   if isinstance(specs, dict):  # the trained variables are an nnx.State: a dict of specs as one
     options["param_specs"] = nnx.State(specs)
   config = Config.make("nnx_train_step", loss_fn, from_model=True, has_state=True, **options)
-  return gathered(lambda c, j: _nnx_step(nnx, c, donate, j), config, jit)
+  step = gathered(lambda c, j: _nnx_step(nnx, c, donate, j), config, jit)
+  step.check_window = _check_window
+  return step
+
+
+def _check_window(step, loss_fn, model, optimizer, batch) -> CheckWindow:
+  """One window of an NNX step on copies of ``model`` and ``optimizer`` (``ga.check_step``): the
+  reference's loss on the trained variables (``optimizer.wrt``), the rest held."""
+  from flax import nnx
+
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+      f"An NNX model's step takes (model, optimizer, batch), the optimizer an nnx.Optimizer"
+      f"(model, ga.accumulate(inner, k), wrt=nnx.Param), got {type(optimizer).__name__}: {HOW}"
+    )
+  graphdef, trained, rest = nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)
+  rest = nnx.as_pure(rest)
+  host = host_arguments(nnx.as_pure(trained), nnx.as_pure(optimizer.opt_state), batch)
+  whole, parts = nnx.split((model, optimizer))  # copied: nnx.clone shares the arrays
+  model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
+  metrics = call_copied(step, model, optimizer, copies(batch), copy=False)
+  new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
+
+  def trained_loss(params, batch):
+    return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+  return CheckWindow.after(host, trained_loss, new, nnx.as_pure(optimizer.opt_state), metrics)
