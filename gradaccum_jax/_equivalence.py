@@ -440,15 +440,15 @@ def check_step(
   window = _run_window(step, loss_fn, params, opt_state, batch)
   like = jax.eval_shape(inner_tx.init, window.params)
   if inner_state is None:  # the step's where it has inner_tx's structure
-    found = _inner_of(window.state, like)
-    inner_state = inner_tx.init(window.params) if found is None else found
+    found = _inner_of(window.state, like, window.params)
+    inner_state = found[1] if found is not None and found[0] == 0 else inner_tx.init(window.params)
   ref = _whole_batch(window, inner_tx, has_aux, inner_state, float(rtol))
   if jax.tree.structure(window.new_params) != jax.tree.structure(ref.params):
     raise ValueError(
       f"The step's new params have the structure {jax.tree.structure(window.new_params)}, the"
       f" params {jax.tree.structure(ref.params)}: step must return (new_params, ...)."
     )
-  return _judge(window, ref, float(rtol), _inner_of(window.new_state, like))
+  return _judge(window, ref, float(rtol), _inner_of(window.new_state, like, window.params))
 
 
 class _Window(NamedTuple):
@@ -570,19 +570,36 @@ def _host_arguments(params, state, batch) -> Any:
   return _host((params, state, batch))
 
 
-def _inner_of(state, like) -> Any:
-  """The first subtree of ``state`` shaped as ``like`` (inner_tx's state): a ``ga`` state's
-  ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``, a wrapper's inner state; or None."""
+def _subtrees(tree: Any) -> list[Any]:
+  """Every node of ``tree``, the root first, level by level."""
+  out, todo = [], [tree]
+  while todo:
+    node = todo.pop(0)
+    out.append(node)
+    kids = jax.tree_util.tree_flatten(node, is_leaf=lambda x, node=node: x is not node)[0]
+    todo += [] if len(kids) == 1 and kids[0] is node else kids
+  return out
+
+
+def _inner_of(state, like, params) -> tuple[int, Any] | None:
+  """``(i, s)``: ``s`` the first subtree of ``state`` shaped as ``like``'s ``i``-th subtree (in
+  :func:`_subtrees`' order; 0: inner_tx's whole state), the largest that one fits: a ``ga``
+  state's ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``, a wrapper's inner state,
+  or the part of ``inner_tx``'s state that another state keeps (Adam's, beside a clip's); None
+  if none fits. A subtree shaped as the params alone (an accumulator) is not looked for."""
   ga = _ga_state(state)
-  state = state if ga is None else ga.inner_state
-  shapes = [np.shape(x) for x in jax.tree.leaves(like)]
+  mine = _subtrees(state if ga is None else ga.inner_state)
+  plain = jax.tree.structure(params)
 
-  def fits(x):
-    leaves = jax.tree.leaves(x)
-    same = jax.tree.structure(x) == jax.tree.structure(like)
-    return same and [np.shape(v) for v in leaves] == shapes
+  def shape(x):
+    return jax.tree.structure(x), [np.shape(v) for v in jax.tree.leaves(x)]
 
-  return next((x for x in jax.tree.leaves(state, is_leaf=fits) if fits(x)), None)
+  for i, sub in enumerate(_subtrees(like)):
+    if jax.tree.leaves(sub) and jax.tree.structure(sub) != plain:
+      found = next((x for x in mine if shape(x) == shape(sub)), None)
+      if found is not None:
+        return i, found
+  return None
 
 
 class _Reference(NamedTuple):
@@ -659,8 +676,10 @@ def _from_state(params, states, mine) -> tuple[dict[str, float], list[str]]:
   ``mu`` and ``nu``, under any wrapper), the step's against the reference's ``T(g)``, over the
   largest entry of the gradient's part ``T(g) - T(0)`` of its tree. Trees odd in ``g`` (``mu``,
   whose error is the gradient's) are read, else the others (``nu``)."""
-  if mine is None or jax.tree.structure(mine) != jax.tree.structure(states[0]):
+  if mine is None:
     return {}, []
+  index, mine = mine
+  states = [_subtrees(x)[index] for x in states]  # the part of inner_tx's state the step keeps
   paths = [
     (jax.tree_util.keystr(p), np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)
   ]
