@@ -554,16 +554,16 @@ class Accumulate(optax.GradientTransformationExtraArgs):
   settings are attributes (``num_microbatches``, ``inner``, ``accum_dtype``,
   ``skip_nonfinite``, ``loss_scale``, ``noise_scale_ema``, ``privacy``: DP's, else None)."""
 
-  # A NamedTuple (init, update), as optax's; the settings ride beside its two fields.
+  # A NamedTuple (init, update), as optax's; the settings ride beside its two fields (in copies,
+  # pickles and pytrees too: they are its node's data).
   settings: Accumulator
 
-  def __new__(cls, init: Any, update: Any, settings: Accumulator | None = None) -> Accumulate:
+  def __new__(cls, init: Any, update: Any, settings: Accumulator) -> Accumulate:
     tx = super().__new__(cls, init, update)
-    # A copy rebuilt from the two fields alone (jax.tree.map, copy) gets them from ``update``.
-    tx.settings = update.__self__ if settings is None else settings
+    tx.settings = settings
     return tx
 
-  def __getnewargs__(self) -> tuple[Any, Any, Accumulator]:  # copy and pickle keep the settings
+  def __getnewargs__(self) -> tuple[Any, Any, Accumulator]:
     return (self.init, self.update, self.settings)
 
   num_microbatches = property(lambda self: self.settings.num_microbatches)
@@ -577,6 +577,11 @@ class Accumulate(optax.GradientTransformationExtraArgs):
   def fixed_num_microbatches(self, where: str) -> int:
     """``k``, or a TypeError naming ``where`` if ``num_microbatches`` is a schedule."""
     return check_num_microbatches(self.num_microbatches, allow_schedule=False, where=where)
+
+
+jax.tree_util.register_pytree_node(
+  Accumulate, lambda tx: ((tx.init, tx.update), tx.settings), lambda s, c: Accumulate(*c, s)
+)
 
 
 def accumulate(

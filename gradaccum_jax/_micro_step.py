@@ -37,7 +37,7 @@ from gradaccum_jax._parts import (
   refuse_overwritten,
   window_means,
 )
-from gradaccum_jax._sharding import Slots, place_params, reduce_parts
+from gradaccum_jax._sharding import Devices, Slots, place_params
 
 
 def _held(units: dict, state: MicroStepState) -> dict:
@@ -235,14 +235,13 @@ class MicroStep:
     why = self._core.carried_because(inputs.params, grads, units, None, loss)
     why = "streaming" if why is None and not (self._end.donated and not axes) else why
     acc = grads if why is None else jax.tree.map(jnp.zeros_like, grads)
-    w = self._core.window(inputs, acc, vary=axes, carried=why, units=units)
+    w = self._core.window(inputs, acc, devices=Devices(axes), carried=why, units=units)
     # Each device's share (unweighted, its micro-batch weighs 1 / D): the slots add up to the
     # window; the other parts (the model state) reduced over the devices, not kept in slots.
     devices, held = self._slots.devices, set(own)
     shares = {n: units[n].share(w.parts[n], devices) for n in held}
     rest = {n: p for n, p in w.parts.items() if n not in held}
-    if axes and rest:
-      rest = reduce_parts({n: units[n] for n in rest}, rest, (), axes)
+    rest = Devices(axes).reduce({n: units[n] for n in rest}, rest)
     return shares, (rest.get("model_state"), Static.shapes((w.loss_like, w.aux_like), why is None))
 
 

@@ -34,12 +34,7 @@ from gradaccum_jax._parts import (
   Window,
   keeps_running_means,
 )
-from gradaccum_jax._sharding import (
-  over_mesh,
-  reduce_parts,
-  shapes_refusing_nested_shard_map,
-  to_varying,
-)
+from gradaccum_jax._sharding import ONE_DEVICE, Devices, over_mesh
 from gradaccum_jax._terms import Terms, combine, names_of, refused, split
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
@@ -417,10 +412,10 @@ class Core:
     return w._replace(parts={**w.parts, "sums": sums}, aux_like=aux_like,
                       reducers=self.config.loss.aux, overwrite=new)  # fmt: skip
 
-  def before(self, take: Take, model_state: Any, num: Any, vary: tuple) -> tuple[dict, Any, Any]:
+  def before(self, take: Take, model_state: Any, num: Any, devices: Devices) -> tuple:
     """The prepass, before the loop: ``weight_fn`` alone on every micro-batch (per-term
     totals, fp8's total) and ``window_stats`` forward only on each, reduced over the window and
-    the devices ``vary`` at once (twice for statistics weighed by per-term weights).
+    the devices at once (twice for statistics weighed by per-term weights).
 
     Returns ``(what the window reports: {"term_weights", "window_stats"}, the window's
     weighting, the loss's terms)``."""
@@ -437,11 +432,11 @@ class Core:
       ws = jax.vmap(lambda j: terms.weights(microbatch(take.inputs.batch, j, k)))(i)
       # A weight <= 0 adds nothing; a NaN or infinite one makes the total so, voiding the window.
       totals = {t: jnp.sum(jnp.where((i < num) & ~(w <= 0), w, 0.0)) for t, w in ws.items()}
-      totals = jax.lax.psum(totals, vary) if vary else totals
+      totals = devices.sum(totals)
       terms = dataclasses.replace(terms, totals=totals)
       weighting, out["term_weights"] = Weighting(terms.weight), totals
     if stats is not None:
-      out["window_stats"] = self.statistics(take, model_state, num, vary, weighting)
+      out["window_stats"] = self.statistics(take, model_state, num, devices, weighting)
     return out, weighting, terms
 
   def terms(self, take: Take, model_state: Any) -> Terms:
@@ -458,7 +453,7 @@ class Core:
       raise TypeError(refused(cfg.where, list(names)))
     return Terms(names, cfg.weighting.fn)
 
-  def statistics(self, take, model_state, num, vary, weighting) -> Any:
+  def statistics(self, take, model_state, num, devices, weighting) -> Any:
     """``window_stats`` on each micro-batch, forward only (one micro-batch's activations held
     at a time), reduced by its reducers with the micro-batches' weights, then over devices."""
     cfg = self.config
@@ -470,7 +465,7 @@ class Core:
 
     like = jax.eval_shape(lambda: one(0)[0])
     start = (reducers.init(like), jnp.zeros((), jnp.float32))
-    start = to_varying(start, vary) if vary else start
+    start = devices.varying(start)
 
     def body(c: tuple, i: Any) -> tuple:
       x, w = one(i)
@@ -480,20 +475,17 @@ class Core:
       acc, weight = jax.lax.scan(body, start, jnp.arange(num))[0]
     else:
       acc, weight = jax.lax.fori_loop(0, num, lambda i, c: body(c, i)[0], start)
-    if vary:  # unweighted, each device's micro-batch weighs 1 / D (linear: after the sum)
-      acc, weight = reduce_parts({"s": _Stats(reducers)}, {"s": (acc, weight)}, (), vary)["s"]
-      devices = jax.lax.axis_size(vary)
-      acc = reducers.share(acc, devices, wt.weighted)
-      weight = weight if wt.weighted else weight / devices
+    acc, weight = devices.reduce({"s": _Stats(reducers)}, {"s": (acc, weight)})["s"]
+    if devices.axes:  # unweighted, each device's micro-batch weighs 1 / D (linear: after the sum)
+      acc = reducers.share(acc, devices.count(), wt.weighted)
+      weight = weight if wt.weighted else weight / devices.count()
     return jax.lax.stop_gradient(reducers.final(acc, weight, like))
 
-  def fp8_total(self, take: Take, weighting: Weighting, num: Any, vary: tuple) -> jax.Array:
+  def fp8_total(self, take: Take, weighting: Weighting, num: Any, devices: Devices) -> jax.Array:
     """The window's total weight over the devices: fp8 seeds each loss with its share."""
-    devices = jax.lax.psum(1, vary) if vary else 1
     if not weighting.weighted:
-      return jnp.asarray(num, jnp.float32) * devices
-    total = self.local_weight(take, weighting, num)
-    return jax.lax.psum(total, vary) if vary else total
+      return jnp.asarray(num, jnp.float32) * devices.count()
+    return devices.sum(self.local_weight(take, weighting, num))
 
   def local_weight(self, take: Take, weighting: Weighting, num: Any) -> jax.Array:
     """The total weight of this device's first ``num`` micro-batches: ``weight_fn`` alone."""
@@ -502,21 +494,20 @@ class Core:
     ws = jax.vmap(lambda j: weighting.total(weighting.of(microbatch(batch, j, k))))(i)
     return jnp.sum(jnp.where(i < num, ws, 0.0))
 
-  def window(self, inputs: Inputs, acc_init: Any, *, vary=(), per_micro=None, carried=None,
-             units=None) -> Window:  # fmt: skip
-    """The scan on one device (in ``shard_map`` with ``vary``, the manual data axes); with
+  def window(self, inputs: Inputs, acc_init: Any, *, devices: Devices = ONE_DEVICE,
+             per_micro=None, carried=None, units=None) -> Window:  # fmt: skip
+    """The scan on one device (in ``shard_map`` over ``devices``' data axes); with
     ``per_micro`` (``_sharding.PerMicrobatch``) the params are shards, gathered for each
     micro-batch, and the gradients reduce-scattered into an accumulator shaped like them."""
     params, batch, _, model_state, scale, num_real = inputs
     cfg, k, ov = self.config, self.num_microbatches, self.overwrite
     rows = check_batch(batch, k) // k
     num = k if num_real is None else num_real
-    before, weighting, terms = self.before(Take(inputs, k, per_micro), model_state, num, vary)
+    before, weighting, terms = self.before(Take(inputs, k, per_micro), model_state, num, devices)
     fp8 = None
     if ov is not None:
-      fp8 = Fp8(ov, self.fp8_total(Take(inputs, k), weighting, num, vary))
-    if vary:  # per-device gradients: no psum of the cotangents inside the loop
-      params = to_varying(params, vary)
+      fp8 = Fp8(ov, self.fp8_total(Take(inputs, k), weighting, num, devices))
+    params = devices.varying(params)  # per-device gradients: no psum of cotangents in the loop
     take = Take(inputs._replace(params=params), k, per_micro)
     objective = Objective(cfg.loss, cfg.precision, cfg.where, before.get("window_stats"), terms)
     units = self.units(model_state, acc_init, per_micro) if units is None else units
@@ -525,20 +516,15 @@ class Core:
     if self.privacy is not None:  # each example's gradient clipped (_privacy)
       kind = self.privacy.backward
     carried_pass = kind(**fields)
-    if vary:  # inside the step's shard_map over the data axes, where a loss's own is refused
-      like = shapes_refusing_nested_shard_map(carried_pass, (0, model_state), vary, cfg.where)
-    else:
-      like = jax.eval_shape(carried_pass, 0, model_state)
-    init = {name: unit.init(acc_init, like) for name, unit in units.items()}
-    init = to_varying(init, vary) if vary else init
+    like = devices.shapes(carried_pass, (0, model_state), cfg.where)
+    init = devices.varying({name: unit.init(acc_init, like) for name, unit in units.items()})
     why = carried or self.carried_because(
       params, acc_init, units, per_micro, lambda: split(like.loss)[0]
     )
     refs = norm = None
     if why is None:  # the gradients added into Refs, which hold acc / norm (seeds w_i / norm)
       if weighting.weighted:
-        devices = jax.lax.psum(1, vary) if vary else 1
-        norm = seed_unit(self.local_weight(Take(inputs, k), weighting, num), devices)
+        norm = seed_unit(self.local_weight(Take(inputs, k), weighting, num), devices.count())
       inverse = None if norm is None else 1 / norm
       refs = jax.tree.map(lambda a: jax.new_ref(_scaled(a, inverse)), init["sums"].grads)
       init["sums"] = init["sums"]._replace(grads=())

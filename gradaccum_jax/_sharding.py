@@ -403,6 +403,8 @@ def reduce_parts(units: dict, parts: dict, plans, axes, *, scattered=False) -> d
   gradients of params sharded over the data axes only; ``"max"`` and ``"min"`` one more each per
   dtype; ``"state"`` by :func:`reduce_state`."""
   names = list(units)
+  if not names:
+    return {}
   asks, finishes = zip(*(units[n].reduce(parts[n]) for n in names), strict=True)
   extra = [a.get("sum", ()) for a in asks]
   grads = [a["grads"] for a in asks if "grads" in a]
@@ -457,11 +459,42 @@ def _from_float32_parts(parts: jax.Array, like: jax.Array, bits: int) -> jax.Arr
   return jax.lax.bitcast_convert_type(word, like.dtype)
 
 
-def shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes: tuple, where: str):
-  """The shapes of ``fn(*args)`` (one micro-batch's gradient, traced once), or a ValueError for
-  a loss that calls ``jax.shard_map`` itself inside the step's own ``shard_map`` over the data
-  ``axes``: JAX cannot lower that nesting (a context-mesh mismatch, or a Shardy verifier error
-  that names neither cause nor fix)."""
+@dataclasses.dataclass(frozen=True)
+class Devices:
+  """The manual data axes a window runs over, inside the step's ``shard_map`` (none on one
+  device): the core's every collective goes through them."""
+
+  axes: tuple[str, ...] = ()
+
+  def count(self) -> Any:
+    return jax.lax.psum(1, self.axes) if self.axes else 1
+
+  def sum(self, tree: Any) -> Any:
+    return jax.lax.psum(tree, self.axes) if self.axes else tree
+
+  def varying(self, tree: Any) -> Any:
+    """``tree`` device-varying: its cotangents are not summed over the devices in the loop."""
+    return to_varying(tree, self.axes) if self.axes else tree
+
+  def reduce(self, units: dict, parts: dict) -> dict:
+    """Each unit's part combined over the devices as it asks (:func:`reduce_parts`)."""
+    return reduce_parts(units, parts, (), self.axes) if self.axes else parts
+
+  def shapes(self, fn: Callable[..., Any], args: tuple, where: str) -> Any:
+    """The shapes of ``fn(*args)`` (a micro-batch's pass, traced once); with axes, a ValueError
+    for a loss that calls ``jax.shard_map`` inside the step's own over the data axes."""
+    if not self.axes:
+      return jax.eval_shape(fn, *args)
+    return _shapes_refusing_nested_shard_map(fn, args, self.axes, where)
+
+
+ONE_DEVICE = Devices()
+
+
+def _shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes: tuple, where: str):
+  """The shapes of ``fn(*args)``, or a ValueError for a loss that calls ``jax.shard_map`` itself
+  inside the step's own ``shard_map`` over the data ``axes``: JAX cannot lower that nesting (a
+  context-mesh mismatch, or a Shardy verifier error that names neither cause nor fix)."""
   try:
     jaxpr, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     nested = "shard_map" in str(jaxpr)
@@ -554,7 +587,7 @@ class _OverMesh:
     hook = PerMicrobatch(plans, dp.axes) if per_mb else None
     inputs = inputs._replace(params=params, rng=rng)
     units = core.units(inputs.model_state, acc0, hook)
-    w = core.window(inputs, acc0, vary=dp.axes, per_micro=hook, units=units)
+    w = core.window(inputs, acc0, devices=Devices(dp.axes), per_micro=hook, units=units)
     parts = reduce_parts(units, w.parts, plans, dp.axes, scattered=per_mb)
     parts = {name: unit.share(parts[name], dp.size) for name, unit in units.items()}
     sums = parts.pop("sums")
