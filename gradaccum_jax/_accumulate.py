@@ -53,18 +53,14 @@ class AccumulateState(NamedTuple):
   """State of :func:`accumulate`.
 
   Attributes:
-    micro_step: micro-batches accumulated in the open window (int32).
-    count: windows closed so far, applied or voided (int32).
-    num_skipped: windows voided (non-finite gradient or zero total weight) (int32);
-      ``count - num_skipped`` windows moved the parameters.
-    updated: whether the last call closed a window and moved the params (bool): :func:`has_updated`.
-    acc_grads: the open window's :math:`\\sum_i w_i g_i`, in ``accum_dtype``, shaped as the
-      params; leaves narrower than float32 hold the running weighted mean instead (the sum
-      could overflow). Zeros when no window is open.
+    micro_step: micro-batches in the open window (int32).
+    count: windows closed, applied or voided (int32); ``num_skipped``: of them voided.
+    updated: whether the last call closed a window and moved the params (:func:`has_updated`).
+    acc_grads: the open window's :math:`\\sum_i w_i g_i` in ``accum_dtype`` (a leaf narrower
+      than float32: the running weighted mean); zeros when no window is open.
     acc_weight: the open window's :math:`\\sum_i w_i` (float32).
-    inner_state: the inner optimizer's state; it changes only when a window is applied.
-    loss_scale: a :class:`LossScaleState` with ``loss_scale=``, else None.
-    noise_scale: a :class:`NoiseScaleState` with ``noise_scale_ema=``, else None.
+    inner_state: the inner optimizer's state, changed only by an applied window.
+    loss_scale, noise_scale: a :class:`LossScaleState` and a :class:`NoiseScaleState` where on.
   """
 
   micro_step: jax.Array
@@ -79,22 +75,8 @@ class AccumulateState(NamedTuple):
 
 
 class MicroStepState(NamedTuple):
-  """State of a :func:`micro_step`: an :class:`AccumulateState` and the open window's loss sums.
-
-  It answers every :class:`AccumulateState` field (``state.count``, ``state.inner_state``, ...;
-  ``acc_grads``, ``acc_weight`` and the noise sums totalled over the device slots), and every
-  mode takes it (``tx.update``, :func:`train_step`, :func:`flush` total the slots and drop the
-  loss sums).
-
-  Attributes:
-    accumulate: the :class:`AccumulateState`, as ``tx.init(params)`` makes it, except with a
-      mesh: ``acc_grads``, ``acc_weight`` and the open window's noise sums have a leading axis
-      of ``D`` slots, one per data-parallel device; the window's sums are their total.
-    loss_sum: :math:`\\sum_i w_i L_i` over the open window (``(D,)`` with a mesh).
-    aux_sum: with ``has_aux``, the open window's aux sums (a leading ``D`` axis with a mesh).
-    window_start: with ``has_state``, the model state as the open window found it, which a
-      voided window restores; None until the first call.
-  """
+  """State of a :func:`micro_step`; it answers every :class:`AccumulateState` field (the sums
+  totalled over the device slots), and every mode takes it."""
 
   accumulate: AccumulateState
   loss_sum: jax.Array
@@ -107,8 +89,7 @@ _SLOTTED = {"sums": SumsUnit(Weighting(None), AuxReducers()), "noise": NoiseUnit
 
 
 def _field(name: str) -> property:
-  """A :class:`MicroStepState`'s ``name``, as every mode's state answers it: the window's total
-  over the device slots (of that field alone), or ``accumulate``'s."""
+  """``name`` of a :class:`MicroStepState`: its device slots' total (that field's alone)."""
 
   def read(state: MicroStepState) -> Any:
     acc = state.accumulate
@@ -127,7 +108,6 @@ for _name in AccumulateState._fields:
 
 
 def _totalled(acc: AccumulateState, units: dict) -> AccumulateState:
-  """``acc`` with the device slots of ``units``' parts combined (``_parts.over_slots``)."""
   parts = over_slots(units, {n: u.held(acc) for n, u in units.items()})
   for name, unit in units.items():
     acc = unit.hold(acc, parts[name])
@@ -135,8 +115,7 @@ def _totalled(acc: AccumulateState, units: dict) -> AccumulateState:
 
 
 def slot_totals(state: Any) -> Any:
-  """The :class:`AccumulateState` of ``state`` (a :class:`MicroStepState` is unwrapped, its
-  device slots combined: they have a leading axis iff ``acc_weight`` does); others unchanged."""
+  """The :class:`AccumulateState` of any mode's ``state``, device slots totalled."""
   if not isinstance(state, MicroStepState):
     return state
   acc = state.accumulate
@@ -144,7 +123,7 @@ def slot_totals(state: Any) -> Any:
 
 
 class LossScaleState(NamedTuple):
-  """State of dynamic loss scaling: the scale and the applied windows since it last changed."""
+  """The loss scale and the windows applied since it last changed."""
 
   scale: jax.Array  # float32
   good_windows: jax.Array  # int32
@@ -152,13 +131,9 @@ class LossScaleState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-  """Dynamic loss scaling for float16 training, updated once per window.
-
-  The loss is multiplied by ``scale`` before differentiation (``ga.train_step`` does it; in
-  streaming mode differentiate ``loss * state.loss_scale.scale``) and the window's gradient
-  divided by it. A window that overflows is skipped and the scale divided by ``factor`` (not
-  below ``min_scale``); after ``period`` applied windows in a row it is multiplied by it.
-  """
+  """Dynamic loss scaling for float16, once per window: the loss times ``scale`` (in streaming
+  mode differentiate ``loss * state.loss_scale.scale``), the window's gradient divided by it;
+  an overflow skips the window and divides it by ``factor``, ``period`` good windows multiply it."""
 
   initial_scale: float = 2.0**15
   period: int = 2000
@@ -190,8 +165,6 @@ class DynamicLossScale:
 def has_updated(state: AccumulateState) -> jax.Array:
   """Whether the call that returned ``state`` (any mode's) closed a window and moved params.
 
-  False inside a window and for a voided window (non-finite gradient, zero total weight).
-
   Examples:
     >>> import jax.numpy as jnp, optax
     >>> import gradaccum_jax as ga
@@ -214,17 +187,27 @@ def has_updated(state: AccumulateState) -> jax.Array:
 
 
 class Closed(NamedTuple):
-  """What closing a window gives: everything its callers report."""
+  """What closing a window gives its callers."""
 
   out: Any  # the new params, or (mode "cond") the updates
-  state: AccumulateState  # the state after the window, its accumulator cleared or as it was
-  grad_norm: jax.Array  # the global norm of the window's mean gradient
+  state: AccumulateState  # after the window, its accumulator cleared or as it was
+  grad_norm: jax.Array  # the norm of the window's mean gradient
   noise: tuple[jax.Array, jax.Array] | tuple[()]  # this window's |G|^2 and tr(Sigma) estimates
 
 
+class _WeightedMean:
+  """How a window is normalized by default: ``sum_i w_i g_i / sum_i w_i``, void (zero or non-finite
+  total weight) kept out."""
+
+  def window(self, acc_grads: Any, weight: jax.Array, count: jax.Array) -> tuple:
+    """``(whether the window is nonempty, the sums, the normalizer)``."""
+    del count
+    nonempty = jnp.isfinite(weight) & (weight > 0)
+    return nonempty, acc_grads, jnp.where(nonempty, weight, 0.0)
+
+
 def _mean(acc_grads: Updates, weight: jax.Array, scale: Any, grad_like: Updates) -> Updates:
-  """The window's mean gradient, typed as ``grad_like``; called at each use, so that XLA fuses
-  it into each (:func:`_inner_update` says where it is made once)."""
+  """The window's mean gradient, typed as ``grad_like``; made at each use, which XLA fuses."""
   mean = mean_of(acc_grads, weight, scale)
   return jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), mean, grad_like)
 
@@ -237,18 +220,15 @@ def _inner_update(inner, mean_fn, mode, params, inner_state, extra_args) -> Call
     mean = mean_fn() if made is None else made
     return inner_update(inner, mean, inner_state, params, extra_args)
 
-  # Closed in place ("in_place"), an update with matrix products (muon's Newton-Schulz
-  # iterations) reads a mean made once, before its branch: fused into its elementwise uses
-  # instead, muon's window took 1.04-1.14x as long on XLA:CPU. An elementwise update (adam, sgd)
-  # reads it fused in its own pass: made once, adam's took 1.00-1.04x as long (docs/benchmarks.md).
+  # In place, an update with matrix products (muon's Newton-Schulz) reads a mean made once
+  # before its branch; an elementwise one (adam) reads it fused (docs/benchmarks.md).
   if mode == "in_place" and has_matrix_products(update, params, inner_state):
     made = jax.lax.optimization_barrier(mean_fn())
   return update
 
 
 def has_matrix_products(fn: Callable[..., Any], *args: Any) -> bool:
-  """Whether ``fn(*args)`` computes a ``dot_general``, at any depth of its program (traced for
-  its shapes, not run)."""
+  """Whether ``fn(*args)`` computes a ``dot_general`` at any depth (traced, not run)."""
 
   def holds(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
@@ -266,8 +246,8 @@ def has_matrix_products(fn: Callable[..., Any], *args: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulator:
-  """The core of one ``accumulate`` transformation: its settings, ``init`` and ``update``,
-  and :meth:`close`, the one place that decides what a window does."""
+  """One ``accumulate`` transformation: its settings, ``init``, ``update``, ``flush`` and
+  :meth:`close`, the one place that decides what a window does."""
 
   inner: optax.GradientTransformationExtraArgs
   num_microbatches: NumMicrobatches
@@ -276,6 +256,11 @@ class Accumulator:
   loss_scale: DynamicLossScale | None = None
   noise_scale_ema: float | None = None
   privacy: Any = None  # a _privacy.Privacy (ga.dp_accumulate), else None
+
+  @property
+  def normalizer(self) -> Any:
+    """How a window's sums become its mean (:class:`_WeightedMean`, or DP's)."""
+    return _WeightedMean() if self.privacy is None else self.privacy
 
   def init(self, params: Params) -> AccumulateState:
     state = AccumulateState(
@@ -296,7 +281,7 @@ class Accumulator:
     return k if isinstance(k, int) else jnp.maximum(check_scheduled_k(k(count)), 1)
 
   def check_state(self, state: Any) -> AccumulateState:
-    """``state`` (a :class:`MicroStepState`'s slots totalled) if it has every part this uses."""
+    """``state`` (any mode's, slots totalled), if it has every part this uses."""
     state = slot_totals(state)
     if not isinstance(state, AccumulateState):
       raise TypeError(
@@ -320,17 +305,11 @@ class Accumulator:
     params: Params | None, grad_like: Updates, extra_args: dict[str, Any], *,
     mode: str = "select", norm_by_rows: bool = False,
   ) -> Closed:  # fmt: skip
-    """Closes a window: one inner update on ``acc_grads / acc_weight``, kept out by ``mode``
-    (:data:`CLOSE_MODES`) for a window of zero or non-finite total weight, or (with
-    ``skip_nonfinite`` or loss scaling) a non-finite mean: params and inner state kept, the
-    window counted in ``num_skipped``. ``norm_by_rows``: see :func:`sq_norm`."""
-    nonempty = jnp.isfinite(acc_weight) & (acc_weight > 0)
+    """One inner update on the window's mean, kept out as ``mode`` (:data:`CLOSE_MODES`) says
+    for a void window or (``skip_nonfinite``, loss scaling) a non-finite mean, counted in
+    ``num_skipped``; ``norm_by_rows``: :func:`_parts.sq_norm`'s."""
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    weight, summed = jnp.where(nonempty, acc_weight, 0.0), acc_grads
-    if self.privacy is not None:  # (clipped sum + noise) / B, whatever the data: never empty
-      nonempty = jnp.ones((), bool)
-      summed = self.privacy.noised(acc_grads, acc_weight, state.count)
-      weight = jnp.asarray(self.privacy.expected_batch_size, jnp.float32)
+    nonempty, summed, weight = self.normalizer.window(acc_grads, acc_weight, state.count)
     mean_fn = functools.partial(_mean, summed, weight, scale, grad_like)  # at each use
     # One reduction gives the norm and the finiteness check (a norm > 1.8e19 counts non-finite).
     sq = jnp.where(nonempty, sq_norm(mean_fn(), norm_by_rows), 0.0)
@@ -387,7 +366,6 @@ class Accumulator:
   def flush(
     self, state: AccumulateState, params: Params | None, extra_args: dict[str, Any]
   ) -> tuple[Updates, AccumulateState]:
-    """Closes the open window now; an empty one (no micro-step) changes nothing."""
     if self.privacy is not None:
       raise ValueError(
         "ga.flush: a DP transformation (ga.dp_accumulate) divides every window's noisy sum by"
@@ -402,9 +380,8 @@ class Accumulator:
 
 
 def _close_if(accumulator: Accumulator, closes, state, params, grad_like, extra_args):
-  """``(updates, state)`` of a streaming call: the window closed if ``closes``, in a
-  ``lax.cond`` whose branches only read the accumulator (reverse-differentiable); the zeros
-  are written over it after."""
+  """``(updates, state)``: closed if ``closes``, in a ``lax.cond`` (reverse-differentiable)
+  whose branches only read the accumulator; its zeros are written after."""
 
   def close(state):
     acc, weight = state.acc_grads, state.acc_weight
@@ -423,9 +400,8 @@ def _close_if(accumulator: Accumulator, closes, state, params, grad_like, extra_
 
 
 def _in_place(ok, inner, acc_grads, params, inner_state):
-  """The new params and inner state written over the donated old ones (:func:`apply_if`); the
-  accumulator's zeros a broadcast of its flag, so they are written after the update has read the
-  sums, in their buffer."""
+  """The new params and inner state over the donated old ones (:func:`apply_if`); the zeros a
+  broadcast of its flag, written after the update has read the sums, in their buffer."""
 
   def run(carry):
     updates, state = inner(*carry)
@@ -437,8 +413,7 @@ def _in_place(ok, inner, acc_grads, params, inner_state):
 
 
 def _in_cond(ok, inner, acc_grads, params, inner_state, apply=False):
-  """Updates or zeros (``apply``: the new or the old params, written over donated ones) and
-  the inner state, in a ``lax.cond`` (reverse-differentiable); ``acc_grads`` only read."""
+  """Updates or zeros (``apply``: the new or old params) and the inner state, in a ``lax.cond``."""
 
   def run(carry):
     updates, state = inner(*carry)
@@ -451,8 +426,7 @@ def _in_cond(ok, inner, acc_grads, params, inner_state, apply=False):
 
 
 def _in_selects(ok, inner, acc_grads, params, inner_state):
-  """The new params (the old ones for a voided window) and inner state by selects (best
-  undonated: the results are new buffers)."""
+  """The new params (old for a voided window) and inner state by selects (undonated)."""
   updates, new_inner = inner(params, inner_state)
   new_params = _applied(params, updates)
   new_params = jax.tree.map(lambda p, new: jnp.where(ok, new, p), params, new_params)
@@ -460,9 +434,7 @@ def _in_selects(ok, inner, acc_grads, params, inner_state):
   return new_params, new_inner, jax.tree.map(jnp.zeros_like, acc_grads)
 
 
-# How a window is closed, by the caller's layout (docs/architecture.md, "Closing a window"):
-# "select" (undonated fused steps), "in_place" (donated ones), "cond" (streaming calls,
-# in their lax.cond: the updates) and "cond_apply" (a donated micro_step: the params, in place).
+# How a window is closed, by the caller's layout (docs/architecture.md, "Closing a window").
 _CLOSERS = {
   "select": _in_selects,
   "in_place": _in_place,
@@ -503,9 +475,7 @@ def inner_update(inner, mean, inner_state, params, extra_args):
 
 def window_metrics(closed: Closed, loss: Any, aux: Any, weight: jax.Array, has_aux: bool,
                    scale: jax.Array | None) -> dict[str, Any]:  # fmt: skip
-  """The metrics every mode reports for a window it closes (without ``"updated"``, which each
-  mode reads where it holds the state): ``"loss"``, ``"grad_norm"``, ``"weight"``, ``"aux"``
-  with ``has_aux``, ``"loss_scale"`` with loss scaling, the noise scale's with it on."""
+  """The metrics every mode reports for a window it closes (``"updated"`` aside)."""
   metrics = dict(loss=loss, grad_norm=closed.grad_norm, weight=weight)
   if has_aux:
     metrics["aux"] = aux
@@ -529,11 +499,9 @@ def zeros_like_output(fn: Any, *args: Any) -> Any:
 
 
 def apply_if(pred: jax.Array, fn: Any, carry: Any, *, with_done: bool = False) -> Any:
-  """``fn(carry)`` if ``pred``, else ``carry``, in a ``lax.cond`` whose other branch passes the
-  carry through, so that donated buffers are updated in place. ``with_done``: ``(done, result)``,
-  ``done`` False from both branches (``pred`` where it is False), which XLA does not know: a
-  broadcast of it is written after the branch. Not a ``while_loop`` of 0 or 1 trips, which did
-  the same more slowly (docs/benchmarks.md, "Where the time goes on jax 0.12")."""
+  """``fn(carry)`` if ``pred`` else ``carry``, in a ``lax.cond`` whose other branch passes the
+  carry through (donated buffers updated in place); ``with_done``: also a False from both
+  branches, which XLA does not know, to write zeros after it."""
 
   def run(c):
     return jnp.zeros((), bool), with_types_of(fn(c), c)
@@ -550,9 +518,8 @@ MEAN_GRADIENT = object()
 
 
 class Accumulate(optax.GradientTransformationExtraArgs):
-  """What :func:`accumulate` returns: an ``optax.GradientTransformationExtraArgs`` whose
-  settings are attributes (``num_microbatches``, ``inner``, ``accum_dtype``,
-  ``skip_nonfinite``, ``loss_scale``, ``noise_scale_ema``, ``privacy``: DP's, else None)."""
+  """What :func:`accumulate` returns: an ``optax.GradientTransformationExtraArgs`` with its
+  settings as attributes (``num_microbatches``, ``inner``, ``accum_dtype``, ...)."""
 
   # A NamedTuple (init, update), as optax's; the settings ride beside its two fields (in copies,
   # pickles and pytrees too: they are its node's data).
@@ -575,7 +542,6 @@ class Accumulate(optax.GradientTransformationExtraArgs):
   privacy = property(lambda self: self.settings.privacy)
 
   def fixed_num_microbatches(self, where: str) -> int:
-    """``k``, or a TypeError naming ``where`` if ``num_microbatches`` is a schedule."""
     return check_num_microbatches(self.num_microbatches, allow_schedule=False, where=where)
 
 
@@ -596,32 +562,25 @@ def accumulate(
 ) -> Accumulate:
   r"""Accumulates gradients over ``num_microbatches`` calls, then applies ``inner`` once.
 
-  Each ``update`` adds a micro-batch gradient :math:`g_i` of weight :math:`w_i` (1, or
-  ``weight=``, e.g. its token count); the ``k``-th closes the window with one update of
-  ``inner`` on :math:`G = \sum_i w_i g_i / \sum_i w_i`, the update of one batch ``k`` times
-  larger for a mean loss; the other calls return zero updates and leave the inner state
-  alone. Put clipping, schedules and weight decay *inside* ``inner``: they then see ``G``
-  and count windows. Semantics, voided windows and the noise scale: docs/semantics.md.
+  Each ``update`` adds a micro-batch gradient :math:`g_i` of weight :math:`w_i` (``weight=``,
+  e.g. its tokens; 1 by default); the ``k``-th applies ``inner`` once to
+  :math:`G = \sum_i w_i g_i / \sum_i w_i`, the others return zero updates. Put clipping,
+  schedules and weight decay inside ``inner``: they see ``G`` and count windows
+  (docs/semantics.md).
 
   Args:
-    inner: the optimizer to apply once per window.
-    num_microbatches: ``k``, a positive int, or (streaming only) a schedule
-      ``count -> k`` of the windows closed so far.
-    accum_dtype: the accumulator's dtype (float32 by default; None: the gradients'); a
-      float narrower than float32 keeps the running weighted mean, not the sum.
-    skip_nonfinite: void a window whose mean gradient has a NaN or Inf (zero updates, inner
-      state kept, ``num_skipped`` incremented); a zero total weight always voids it.
-    loss_scale: a :class:`DynamicLossScale` for float16 training, or None.
-    noise_scale_ema: the decay in ``[0, 1)`` of the gradient noise scale estimate's
-      moving averages (:func:`noise_scale`), or None (off, costs nothing).
+    inner: the optimizer applied once per window.
+    num_microbatches: ``k``, or (streaming only) a schedule ``count -> k``.
+    accum_dtype: the accumulator's dtype (float32; None: the gradients'); narrower floats keep
+      the running weighted mean.
+    skip_nonfinite: void a window whose mean gradient is not finite (a zero total weight always
+      voids it): zero updates, inner state kept, ``num_skipped`` counted.
+    loss_scale: a :class:`DynamicLossScale` for float16, or None.
+    noise_scale_ema: the decay of the gradient noise scale's averages (:func:`noise_scale`).
 
   Returns:
-    An :class:`Accumulate` (an ``optax.GradientTransformationExtraArgs``) whose state is an
-    :class:`AccumulateState`; ``update(grads, state, params=None, *, weight=None,
-    **extra_args)`` forwards ``extra_args`` to ``inner``.
-
-  Raises:
-    TypeError, ValueError: for settings out of range; in ``update``, for bad grads or weight.
+    An :class:`Accumulate` whose state is an :class:`AccumulateState`; ``update(grads, state,
+    params=None, *, weight=None, **extra_args)`` passes ``extra_args`` to ``inner``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -661,7 +620,6 @@ def accumulate(
 
 
 def as_accumulate(tx: Any, what: str = "tx") -> Accumulate:
-  """``tx`` if it is made by :func:`accumulate`, else a TypeError that says how to make one."""
   if not isinstance(tx, Accumulate):
     raise TypeError(
       f"{what} must be made by ga.accumulate(inner, num_microbatches), got"
@@ -676,15 +634,12 @@ def flush(
 ) -> tuple[Updates, AccumulateState]:
   r"""Closes the open window now, with the ``m < k`` micro-batches accumulated so far.
 
-  For the end of an epoch: ``inner`` is applied once to their weighted mean
-  :math:`G = \sum_i w_i g_i / \sum_i w_i`, the update of one batch made of them, and the next
-  window starts empty. An empty window changes nothing. Jit-able (``m`` may be traced).
+  For the end of an epoch: ``inner`` is applied once to their weighted mean; an empty window
+  changes nothing. Jit-able.
 
   Args:
-    tx: a transformation made by :func:`accumulate`.
-    state: its state (any mode's).
-    params: the params, for inner optimizers that need them.
-    **extra_args: forwarded to ``inner``.
+    tx: made by :func:`accumulate`; state: its state (any mode's).
+    params, **extra_args: for ``inner``, as in ``tx.update``.
 
   Returns:
     ``(updates, state)``, as the closing ``tx.update`` would return them.

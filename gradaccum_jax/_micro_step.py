@@ -107,11 +107,7 @@ class MicroStepLayout:
 
 
 class MicroStep:
-  """What :func:`micro_step` returns: call it once per micro-batch; ``init`` makes its state.
-
-  Attributes: ``tx`` (the :func:`accumulate` transformation), ``mesh``,
-  ``data_axis`` and ``has_state``.
-  """
+  """What :func:`micro_step` returns: call it once per micro-batch; ``init`` makes its state."""
 
   def __init__(self, config: Config, tx: Accumulate, *, donate: bool, jit: bool):
     self.tx, self._acc, self._config = tx, tx.settings, config
@@ -132,12 +128,7 @@ class MicroStep:
   def init(
     self, params: Any, microbatch: Any = None, model_state: Any = None, rng: Any = None
   ) -> MicroStepState:
-    """The empty state in this step's layout (``tx.init(params)`` will do, at one compile more).
-
-    ``microbatch`` (``jax.ShapeDtypeStruct`` leaves will do; with ``has_state``,
-    ``model_state``, and ``rng`` if ``loss_fn`` takes one) is needed with ``has_aux`` only:
-    the aux sums take their shapes from ``loss_fn``'s output on it.
-    """
+    """The empty state in this step's layout (``tx.init(params)`` will do, at one compile more)."""
     if self._config.loss.has_aux and microbatch is None:
       raise ValueError(
         "micro_step(..., has_aux=True): pass a micro-batch to init, step.init(params,"
@@ -156,8 +147,7 @@ class MicroStep:
   def convert_state(self, state: Any, like: MicroStepState) -> MicroStepState:
     """``state`` (any mode's, from any mesh or none) in the layout of ``like``
     (``step.init(params)``), as the step's first call would move it: the saved slots totalled
-    into the first slot (exact). Without loss sums (an :class:`AccumulateState`), the
-    window's ``value=`` and ``"loss"`` count only the micro-batches after it."""
+    into the first slot (exact)."""
     return self._layout.convert(state, like)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:

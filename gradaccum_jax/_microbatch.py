@@ -152,8 +152,8 @@ class Objective:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Backward:
-  """A micro-batch's forward and backward pass, ``(i, model_state) -> Micro``: carried (the
-  gradient handed to the units). The other strategies override :meth:`micro`."""
+  """A micro-batch's forward and backward pass, ``(i, model_state) -> Micro``: carried (the gradient
+  handed to the units)."""
 
   take: Take
   objective: Objective
@@ -387,9 +387,9 @@ class Core:
     return None
 
   def sums(self, inputs: Inputs, acc_init: Any, in_buffer=False, overwrite=None) -> Window:
-    """The window of ``inputs.batch``, its gradients added to ``acc_init``; on the mesh if set,
-    the scan starting from ``acc_init`` with ``in_buffer`` (a donated accumulator), else adding
-    it after. ``overwrite``: the params' overwritten part (``_parts.overwritten``), if any."""
+    """The window of ``inputs.batch``, its gradients added to ``acc_init``; on the mesh if set, the
+    scan starting from ``acc_init`` with ``in_buffer`` (a donated accumulator), else adding it
+    after."""
     params, dp, ov, where = inputs.params, self.config.mesh, overwrite, self.config.where
     check_trainable(params, where=where)
     core = self if ov is None else dataclasses.replace(self, overwrite=ov)
@@ -413,12 +413,9 @@ class Core:
                       reducers=self.config.loss.aux, overwrite=new)  # fmt: skip
 
   def before(self, take: Take, model_state: Any, num: Any, devices: Devices) -> tuple:
-    """The prepass, before the loop: ``weight_fn`` alone on every micro-batch (per-term
-    totals, fp8's total) and ``window_stats`` forward only on each, reduced over the window and
-    the devices at once (twice for statistics weighed by per-term weights).
-
-    Returns ``(what the window reports: {"term_weights", "window_stats"}, the window's
-    weighting, the loss's terms)``."""
+    """The prepass, before the loop: ``weight_fn`` alone on every micro-batch (per-term totals,
+    fp8's total) and ``window_stats`` forward only on each, reduced over the window and the
+    devices at once (twice for statistics weighed by per-term weights)."""
     cfg, k, weighting = self.config, self.num_microbatches, self.weighting
     _, mb0, _ = take(0)
     terms, stats, out = None, cfg.stats, {}

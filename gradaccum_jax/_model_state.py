@@ -92,12 +92,7 @@ class ModelCarry(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ModelStateUnit(Unit):
   """The scan's unit for the model state (protocol: ``_parts``): how it flows through the
-  micro-batches of a window.
-
-  ``sequential``: threaded through them (k running-average updates: ghost batch norm).
-  ``frozen``: the BatchNorm statistics are the same for every micro-batch and left unchanged.
-  ``per_window``: every micro-batch starts from the window's statistics, and the running
-  averages are updated once with the window's pooled statistics. Other leaves are threaded."""
+  micro-batches of a window."""
 
   mode: str
   momentum: float | None

@@ -42,9 +42,7 @@ def _batchnorm_momentum(model: Any, nnx: Any) -> float:
 def _lay_out(nnx: Any, dp: DataParallel, model: Any, optimizer: Any) -> None:
   """Puts a donated step's arrays on ``dp``'s mesh before ``nnx.jit`` lowers it: the params as
   ``param_specs`` lays them out, any other array still on one device replicated (an array already
-  there is not copied). JAX pairs a donated input with an output of its size per device as it
-  reads the input's layout; an array left on one device reads as whole, the compiler shards it,
-  and XLA refuses the pair ("Expected aliased input ... to have the same size")."""
+  there is not copied)."""
   if not isinstance(optimizer, nnx.Optimizer):
     return  # the step says what to pass
   _, params, rest = nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)

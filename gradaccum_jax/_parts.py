@@ -171,19 +171,10 @@ def _leading(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 class Rule:
-  """How an accumulator leaf keeps a window, chosen once per leaf by its dtype (:func:`rule_of`)
-  and used by every mode: :data:`SUM` (float32 or wider: ``sum_i w_i g_i``) or
-  :data:`RUNNING_MEAN` (a narrower float, whose sum could overflow: the weighted mean, moved in
-  float32 as ``optax.MultiSteps`` does).
-
-  ``one(acc, g, w, wt)``: a micro-batch's gradient ``g`` of weight ``w`` as a window of its own.
-  ``merge(acc, more, frac)``: two partial windows as one (``frac``: the later one's share of
-  their total weight). ``share(acc, devices)``: unweighted, a device's share when each of
-  its micro-batches weighs ``1 / devices``. ``addend(acc, weight)`` and ``from_total(total,
-  weight, dtype)``: a window on each device (``weight``: its own) as an addend of the sum over
-  the devices (or device slots) and the window that sum makes (``weight``: the total); a
-  running mean's addend is ``mean * weight`` in float32, so one all-reduce combines it with
-  the sums. Weights are scalars or one per device slot (a leading axis of ``acc``)."""
+  """How an accumulator leaf keeps a window, chosen once per leaf by its dtype (:func:`rule_of`) and
+  used by every mode: :data:`SUM` (float32 or wider: ``sum_i w_i g_i``) or :data:`RUNNING_MEAN`
+  (a narrower float, whose sum could overflow: the weighted mean, moved in float32 as
+  ``optax.MultiSteps`` does)."""
 
   running_mean = False
 
@@ -283,10 +274,8 @@ def over_slots(units: dict[str, Unit], parts: dict[str, Any]) -> dict[str, Any]:
 
 
 def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
-  """The mean gradient of an accumulator (in float32 or wider), divided by the loss ``scale``
-  if given; 0 for a zero total weight, NaN for a non-finite one (a voided window). One
-  multiplication per leaf, which XLA fuses into a norm (a division with a select would be
-  written out first)."""
+  """The mean gradient of an accumulator (in float32 or wider), divided by the loss ``scale`` if
+  given; 0 for a zero total weight, NaN for a non-finite one (a voided window)."""
   ok = weight > 0
 
   def one(a):
@@ -302,11 +291,8 @@ def mean_of(acc: Any, weight: jax.Array, scale: jax.Array | None = None) -> Any:
 
 
 def sq_norm(tree: Any, by_rows: bool = False) -> jax.Array:
-  """The squared global norm of ``tree``, in float32, or float64 if a leaf is (``|z|^2`` for
-  complex leaves).
-
-  ``by_rows``: each matrix summed by rows first (faster on XLA:CPU; not for arrays on a mesh:
-  docs/architecture.md, "Closing a window")."""
+  """The squared global norm of ``tree``, in float32, or float64 if a leaf is (``|z|^2`` for complex
+  leaves)."""
   leaves = [
     x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32)) for x in jax.tree.leaves(tree)
   ]
@@ -382,17 +368,7 @@ def _as_returned(total: jax.Array, weight: jax.Array, like: Any) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Reducer:
-  """One window statistic of an aux leaf, as data (docs/usage.md, "Window statistics").
-
-  ``start(dtype)``: the value of a window with nothing in it. ``add(acc, x, w, weighted)``: after
-  one micro-batch's ``x`` of weight ``w`` (weighted, one of weight <= 0 is left out).
-  ``merge(acc, more, more_weight)``: two partial windows as one (``more``: later micro-batches
-  of total weight ``more_weight``). On a mesh each device's ``share(acc, devices, weighted)`` is
-  combined by ``collective`` (a name of :data:`COLLECTIVES`), as the device slots of a streaming
-  window are. ``final(total, weight, like)``: the window's value, in the dtype ``loss_fn``
-  returned. Partial reductions are kept in ``dtype(x)``; ``integers``: whether an integer leaf
-  may take it; ``public``: whether ``aux_reduce=`` may name it.
-  """
+  """One window statistic of an aux leaf, as data (docs/usage.md, "Window statistics")."""
 
   start: Callable[[Any], Any]
   add: Callable[[jax.Array, Any, jax.Array, bool], jax.Array]
@@ -498,10 +474,10 @@ def _default_reducer(x: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class AuxReducers:
-  """Each aux leaf's :class:`Reducer` (``aux_reduce=``; docs/usage.md, "Window statistics"):
-  one name of :data:`REDUCERS` for every leaf, a pytree prefix of the aux with names, or dicts
-  of some of the aux's keys; a leaf left out, or None, gets the default (``"mean"`` for float
-  leaves, ``"sum"`` for integer and bool ones). Each verb maps the leaves' records."""
+  """Each aux leaf's :class:`Reducer` (``aux_reduce=``; docs/usage.md, "Window statistics"): one
+  name of :data:`REDUCERS` for every leaf, a pytree prefix of the aux with names, or dicts of
+  some of the aux's keys; a leaf left out, or None, gets the default (``"mean"`` for float
+  leaves, ``"sum"`` for integer and bool ones)."""
 
   spec: Any = None  # None, a name, a pytree prefix of the aux with names, or a partial dict
   where: str | None = None  # the function the user called, for errors

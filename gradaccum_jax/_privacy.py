@@ -64,12 +64,7 @@ class Privacy:
     """One micro-batch: each example's gradient (``loss_fn`` on a micro-batch of its row alone,
     example ``e`` with ``fold_in(key, e)``) clipped to ``l2_clip``, 0 for padding or a non-finite
     gradient; its gradient is their mean over its real examples, its weight their number, so the
-    window's sums hold the clipped sum. Loss and aux: over the real examples.
-
-    Two passes: each example's gradient norm (a ``vmap``), then one backward pass of
-    ``sum_e f_e L_e`` with each ``f_e`` the clip factor, which is the clipped sum without the
-    examples' gradients held side by side. Where an example's gradient is not finite (NaN
-    padding), whose 0 * NaN would spread in that pass, the examples are summed one at a time."""
+    window's sums hold the clipped sum."""
     _check_state(start, objective.where)
     mb = jax.tree.map(jnp.asarray, mb)  # a NumPy micro-batch is indexed by a traced example
     rows = jax.tree.leaves(mb)[0].shape[0]
@@ -120,12 +115,14 @@ class Privacy:
     new_state = None if start is None else jax.tree.map(lambda x: x[0], new_state)
     return Micro(mean, aux, grads, w, new_state)
 
-  def noised(self, acc_grads: Any, weight: jax.Array, count: jax.Array) -> Any:
-    """The window's clipped sum (from the accumulator ``acc_grads`` of total ``weight``) plus
-    N(0, (noise_multiplier * l2_clip)^2) on each coordinate: one draw per window, from
-    ``fold_in(key(seed), count)`` (``count``: the windows closed before it), so a resumed run
-    draws what the uninterrupted one would."""
+  def window(self, acc_grads: Any, weight: jax.Array, count: jax.Array) -> tuple:
+    """``(never empty, the clipped sum + N(0, (sigma C)^2), B)``: one draw per window, from
+    ``fold_in(key(seed), count)``, which a resumed run draws again."""
     total = addends(acc_grads, weight)
+    b = jnp.asarray(self.expected_batch_size, jnp.float32)
+    return jnp.ones((), bool), self.noised(total, count), b
+
+  def noised(self, total: Any, count: jax.Array) -> Any:
     if self.noise_multiplier == 0:
       return total
     leaves, treedef = jax.tree.flatten(total)

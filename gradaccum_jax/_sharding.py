@@ -158,9 +158,8 @@ _REPLICATES_EXPLICIT_AXES = tuple(map(int, jax.__version__.split(".")[:2])) < (0
 
 
 def shard_map_over_data(fn: Callable[..., Any], dp: DataParallel, in_specs: Any, out_specs: Any):
-  """``jax.shard_map(fn)`` manual over ``dp``'s data axes, the others left to GSPMD; every mesh
-  code path of the package goes through it. Before jax 0.11, with other Explicit axes, ``fn``
-  sees them as Auto (``jax.sharding.auto_axes``) unless it names one (docs/data_parallel.md)."""
+  """``jax.shard_map(fn)`` manual over ``dp``'s data axes, the others left to GSPMD; every mesh code
+  path of the package goes through it."""
 
   def over(mesh):
     return jax.shard_map(
@@ -252,7 +251,7 @@ class _LeafPlan:
   def seed(self, acc: jax.Array, factor: int) -> jax.Array:
     """This device's start from its shard ``acc`` of the sums so far (zeros, or an open window):
     ``acc * factor`` on the first device of ``rest``, zeros on the others, so the reduction over
-    ``rest`` counts it once. Elementwise: XLA writes it over a donated ``acc``."""
+    ``rest`` counts it once."""
     share = acc if factor == 1 else acc * factor
     if not self.rest:
       return share
@@ -347,11 +346,10 @@ class PerMicrobatch:
 
 @dataclasses.dataclass(frozen=True)
 class ScatteredSumsUnit(SumsUnit):
-  """:class:`SumsUnit` whose gradient sums of params sharded over the data axes are
-  reduce-scattered every micro-batch: ``w_i g_i`` (0 for ``w_i <= 0``) is reduced before it is
-  added, so each device's weight multiplies its own gradient; such a leaf of a narrow
-  accumulator is summed in float32 (a shard; ``SumsUnit.reduce`` makes the window's mean). The other
-  leaves, and the loss, weight and aux sums, stay local."""
+  """:class:`SumsUnit` whose gradient sums of params sharded over the data axes are reduce-scattered
+  every micro-batch: ``w_i g_i`` (0 for ``w_i <= 0``) is reduced before it is added, so each
+  device's weight multiplies its own gradient; such a leaf of a narrow accumulator is summed in
+  float32 (a shard; ``SumsUnit.reduce`` makes the window's mean)."""
 
   plans: tuple[_LeafPlan, ...] = ()
 
@@ -514,10 +512,8 @@ def _shapes_refusing_nested_shard_map(fn: Callable[..., Any], args: tuple, axes:
 
 
 def over_mesh(dp: DataParallel, core: Any, inputs: Inputs, acc_init: Any, in_buffer=False) -> Any:
-  """Runs ``core.window`` (a ``_microbatch.Core``'s scan on one device) on every device's rows
-  under ``shard_map``, then reduces once (:func:`reduce_parts`). Returns the batch's ``Window``,
-  its gradients added to ``acc_init``: with ``in_buffer`` in the scan, where a device starts from
-  its share of ``acc_init``; else after the reduction."""
+  """Runs ``core.window`` (a ``_microbatch.Core``'s scan on one device) on every device's rows under
+  ``shard_map``, then reduces once (:func:`reduce_parts`)."""
   if dp.gather not in ("once", "per_microbatch"):
     raise ValueError(
       f"gather_params={dp.gather!r} is chosen by the jitted step (ga.train_step and the"

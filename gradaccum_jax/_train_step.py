@@ -96,9 +96,8 @@ def train_step(
 
 
 class JitStep:
-  """A jitted step that checks ``num_real_microbatches`` and passes it as int32, so ints and
-  arrays of every value share one program; the rest (``lower``, ...) is the jitted function's.
-  ``calls_compiled``: a program compiled from ``lower`` runs on the same arguments (no nnx.jit)."""
+  """A jitted step that checks ``num_real_microbatches`` and passes it as int32, so ints and arrays
+  of every value share one program; the rest (``lower``, ...) is the jitted function's."""
 
   def __init__(self, jitted: Callable[..., Any], k: Callable[..., int], calls_compiled=True):
     self._jitted, self._k, self.calls_compiled = jitted, k, calls_compiled
@@ -184,8 +183,7 @@ def merge_open_window(
   state: AccumulateState, grads: Any, weight: jax.Array, donated: bool
 ) -> tuple[Any, Any]:
   """``(grads plus the sums of a window left open by streaming calls, the new accumulator's
-  zeros)``. ``donated``: merged in a branch (``_accumulate.apply_if``) that runs only when a
-  window is open; otherwise the accumulator holds zeros and passes through (XLA copies nothing)."""
+  zeros)``."""
   if not donated:
     merged = merge_gradients(state.acc_grads, state.acc_weight, grads, weight)
     return merged, jax.tree.map(jnp.zeros_like, state.acc_grads)
