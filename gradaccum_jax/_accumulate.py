@@ -76,12 +76,21 @@ class AccumulateState(NamedTuple):
 
 class MicroStepState(NamedTuple):
   """State of a :func:`micro_step`; it answers every :class:`AccumulateState` field (the sums
-  totalled over the device slots), and every mode takes it."""
+  totalled over the device slots), and every mode takes it.
+
+  Attributes:
+    accumulate: an :class:`AccumulateState`; on a mesh its sums have a leading axis of ``D``
+      slots, one per data-parallel device, whose total is the window's.
+    loss_sum, aux_sum: the open window's loss and aux sums (with the same slots).
+    window_start: with ``has_state``, the model state a voided window restores.
+    parts: the open window's parts of registered units, by name (docs/architecture.md).
+  """
 
   accumulate: AccumulateState
   loss_sum: jax.Array
   aux_sum: Any = None
   window_start: Any = None
+  parts: Any = None
 
 
 # The units of the sums an AccumulateState holds in device slots in a MicroStepState.
@@ -105,6 +114,7 @@ def _field(name: str) -> property:
 
 for _name in AccumulateState._fields:
   setattr(MicroStepState, _name, _field(_name))
+del _name
 
 
 def _totalled(acc: AccumulateState, units: dict) -> AccumulateState:

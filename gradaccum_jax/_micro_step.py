@@ -31,6 +31,7 @@ from gradaccum_jax._microbatch import Core, Objective, microbatch
 from gradaccum_jax._options import Config, takes
 from gradaccum_jax._parts import (
   Inputs,
+  Micro,
   Static,
   keep_if_voided,
   over_slots,
@@ -73,12 +74,18 @@ class MicroStepLayout:
 
   def place(self, state, params, microbatch, model_state, rng) -> MicroStepState:
     """``state`` (any mode's, from any mesh) in this layout: saved device slots totalled into
-    the first slot, the aux sums made (as zeros) where the state has none."""
+    the first slot, the aux sums and registered units' parts made where the state has none."""
     state = self.check(state)
-    if self._loss.has_aux and state.aux_sum is None:
+    acc = state.accumulate.acc_grads
+    registered = {n: u for n, u in self._units(acc).items() if n not in ("sums", "noise")}
+    if (self._loss.has_aux and state.aux_sum is None) or (registered and state.parts is None):
       key = None if rng is None else jax.random.key(0)
-      _, aux, _ = jax.eval_shape(self._loss.call, params, model_state, microbatch, key)
-      state = state._replace(aux_sum=self._reducers.init(aux))
+      loss, aux, _ = jax.eval_shape(self._loss.call, params, model_state, microbatch, key)
+      if self._loss.has_aux and state.aux_sum is None:
+        state = state._replace(aux_sum=self._reducers.init(aux))
+      if registered and state.parts is None:  # empty, as a window starts them
+        like = Micro(loss, aux, acc, jnp.zeros((), jnp.float32), model_state)
+        state = state._replace(parts={n: u.init(acc, like) for n, u in registered.items()})
     weight = state.accumulate.acc_weight
     slots = jnp.shape(weight)[0] if jnp.ndim(weight) else None
     if slots == (None if self.slots.dp is None else self.slots.devices):
@@ -87,7 +94,7 @@ class MicroStepLayout:
     parts = _held(units, state)
     if slots is not None:  # saved slots combined
       parts = over_slots(units, parts)
-    return _holding(units, state, self.slots.first(parts, params, self._reducers))
+    return _holding(units, state, self.slots.first(units, parts, params, self._reducers))
 
   def convert(self, state: Any, like: MicroStepState) -> MicroStepState:
     """``state`` in the layout of ``like`` (:meth:`MicroStep.convert_state`)."""
@@ -103,6 +110,10 @@ class MicroStepLayout:
     if state.aux_sum is None and like.aux_sum is not None:  # empty, shaped as one slot
       one = like.aux_sum if self.slots.dp is None else jax.tree.map(lambda x: x[0], like.aux_sum)
       state = state._replace(aux_sum=self._reducers.init(one))
+    if state.parts is None and like.parts is not None:  # empty, shaped as one slot
+      one = like.parts if self.slots.dp is None else jax.tree.map(lambda x: x[0], like.parts)
+      units = self._units(like.accumulate.acc_grads)
+      state = state._replace(parts={n: units[n].empty(p) for n, p in one.items()})
     return self.place(state, slot_totals(like).acc_grads, None, None, None)
 
 
@@ -114,7 +125,7 @@ class MicroStep:
     dp = config.mesh
     self._slots = Slots(dp)
     self._core = Core.make(config, 1, self._acc)
-    units = self._core.summed_units  # of the open window's parts (acc_grads -> units)
+    units = self._core.held_units  # of the open window's parts (acc_grads -> units)
     self._layout = MicroStepLayout(self._acc, config, self._slots, units)
     self.mesh = None if dp is None else dp.mesh
     self.data_axis = None if dp is None else dp.axes
@@ -300,6 +311,8 @@ class CallEnd:
     new_state = _holding(units, state._replace(accumulate=closed.state), own)
     scale = None if acc_state.loss_scale is None else acc_state.loss_scale.scale
     metrics = window_metrics(closed, loss, aux, sums.weight, self.config.loss.has_aux, scale)
+    for name, unit in units.items():  # what registered units report
+      metrics.update(unit.metrics(totals[name]))
     if state.window_start is not None:  # a voided window restores float state as it found it
       new_model_state = keep_if_voided(closed.state.updated, new_model_state, state.window_start)
     return closed.out, new_model_state, new_state, metrics

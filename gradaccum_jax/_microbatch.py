@@ -343,6 +343,11 @@ class Core:
     units = {"sums": SumsUnit(w, self.reducers, jax.tree.map(jnp.result_type, acc_init))}
     return units | ({"noise": NoiseUnit(w)} if self.noise_sums else {})
 
+  def held_units(self, acc_init: Any) -> dict[str, Unit]:
+    """The units whose parts a streaming call's state holds: the sums and the registered ones."""
+    more = (make(self) for make in UNITS)
+    return self.summed_units(acc_init) | {u.name: u for u in more if u is not None}
+
   def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> dict[str, Unit]:
     """Every unit of the window, by name (the sums reduce-scattered per micro-batch with
     ``per_micro``)."""

@@ -620,10 +620,11 @@ class Unit:
     return part
 
   def held(self, state: Any) -> Any:
-    return ()
+    """An open window's part in a streaming call's state (``MicroStepState.parts``)."""
+    return state.parts[self.name]
 
   def hold(self, state: Any, part: Any) -> Any:
-    return state
+    return state._replace(parts={**state.parts, self.name: part})
 
   def metrics(self, part: Any) -> dict[str, Any]:
     return {}

@@ -690,9 +690,9 @@ class Slots:
         f" {rows} / {dp.size} of them. Use micro-batches of a multiple of {dp.size} rows."
       )
 
-  def first(self, parts: dict, params: Any, reducers: Any) -> dict:
-    """A window's ``parts`` (by name) in the first slot, the others zero, or the start of an aux
-    leaf's max or min (gradients laid out as ``params`` are over the model axes)."""
+  def first(self, units: dict, parts: dict, params: Any, reducers: Any) -> dict:
+    """A window's ``parts`` (by name) in the first slot, the others empty (an aux leaf's max or
+    min at its start; gradients laid out as ``params`` are over the model axes)."""
     if self.dp is None:
       return parts
     mesh = self.dp.mesh
@@ -707,9 +707,15 @@ class Slots:
         return zeros.at[0].set(x, out_sharding=sharding)
       return place(zeros.at[0].set(x), mesh, sharding.spec)
 
+    def slotted(x, empty):  # x in the first slot, the others ``empty``
+      x, empty = (place(jnp.asarray(v), mesh, P()) for v in (x, empty))
+      rest = jnp.broadcast_to(empty, (self.devices - 1, *jnp.shape(x))).astype(x.dtype)
+      return place(jnp.concatenate([x[None], rest]), mesh, self._spec())
+
     sums, others = parts["sums"], {n: p for n, p in parts.items() if n != "sums"}
     grads = _per_leaf(lambda g, p: one(g, p.model_spec), sums.grads, leaf_plans(self.dp, params))
-    rest, others = jax.tree.map(one, (sums._replace(grads=(), aux=()), others))
+    rest = jax.tree.map(one, sums._replace(grads=(), aux=()))
+    others = {n: jax.tree.map(slotted, p, units[n].empty(p)) for n, p in others.items()}
     # Per leaf its reducer's start (0, or the start of a max or min), a scalar: jax 0.10 cannot
     # place an array fill on the slots' sharding.
     records = reducers.records(sums.aux)
