@@ -50,27 +50,20 @@ def step_memory(
 ) -> int:
   """Bytes the compiled fused step needs for ``num_microbatches`` micro-batches.
 
-  Compiles ``ga.train_step(loss_fn, ga.accumulate(tx, num_microbatches))`` on the shapes of
-  ``params`` and ``batch`` (nothing runs): ``temp + argument + output - alias`` bytes of
-  ``compiled.memory_analysis()``, XLA's plan for one device (docs/choosing_k.md).
+  ``temp + argument + output - alias`` of XLA's ``compiled.memory_analysis()`` for one device,
+  with ``ga.train_step(loss_fn, ga.accumulate(tx, num_microbatches))`` compiled on the shapes of
+  ``params`` and ``batch``: nothing runs (docs/choosing_k.md).
 
   Args:
     loss_fn, has_aux, weight_fn, compute_dtype, donate: as in :func:`train_step`.
-    params: the params, as arrays or ``jax.ShapeDtypeStruct`` leaves.
-    batch: one whole batch of ``B`` rows, as arrays or ``jax.ShapeDtypeStruct`` leaves.
+    params, batch: arrays or ``jax.ShapeDtypeStruct`` leaves; ``batch`` of ``B`` rows.
     num_microbatches: ``k``; must divide ``B``.
     tx: the inner optimizer (its state counts); ``optax.sgd(0.0)`` (no state) by default.
     accum_dtype: as in :func:`accumulate`.
-    unroll: micro-batches per trip of the loop, an int (:func:`train_step`): an unrolled loop
-      holds more of them at once.
+    unroll: micro-batches per trip of the loop, an int (:func:`train_step`).
 
   Returns:
     The estimated bytes, an int.
-
-  Raises:
-    ValueError: if ``num_microbatches`` does not divide ``B`` or the batch is malformed.
-    TypeError: if ``tx`` is already made by :func:`accumulate`.
-    RuntimeError: if the backend gives no memory analysis.
 
   Examples:
     >>> import jax, jax.numpy as jnp, gradaccum_jax as ga
@@ -107,9 +100,8 @@ def auto_microbatch(
 ) -> Any:
   """The fewest micro-batches ``k`` (largest micro-batch) whose fused step fits a budget.
 
-  The first divisor ``k`` of the batch size ``B``, in increasing order, whose
-  :func:`step_memory` (compiled on shapes: no trial run) is at most the budget. Memory held by
-  other arrays is not counted: leave a margin (docs/choosing_k.md).
+  The first divisor ``k`` of the batch size ``B``, in increasing order, whose :func:`step_memory`
+  is at most the budget; other arrays' memory is not counted (docs/choosing_k.md).
 
   Args:
     loss_fn, params, batch, has_aux, weight_fn, compute_dtype, accum_dtype, donate: as in
@@ -117,19 +109,13 @@ def auto_microbatch(
     tx: the inner optimizer you train with (not wrapped in :func:`accumulate`): its state counts.
     memory_budget_bytes: the bytes the step may use; by default the first device's
       ``memory_stats()["bytes_limit"]`` (GPU, TPU), required where there is none (CPU).
-    unroll: an int, the steps' (:func:`train_step`); or ``"auto"``: for the ``k`` found (at
-      unroll 1), also the largest unroll of 2, 4, ..., ``k`` within the budget.
+    unroll: an int (:func:`train_step`), or ``"auto"``: for the ``k`` found, also the largest
+      unroll of 2, 4, ..., ``k`` that fits.
     return_estimates: also return the bytes of every ``k`` compiled.
 
   Returns:
-    ``k``, a divisor of ``B`` (``(k, unroll)`` with ``unroll="auto"``); with
-    ``return_estimates``, ``(that, {k: bytes})`` for each ``k`` tried (``{(k, unroll): bytes}``
-    with ``unroll="auto"``).
-
-  Raises:
-    ValueError: with no budget where the device reports no limit, a budget ``<= 0``, a malformed
-      batch, or when even ``k = B`` does not fit (the message gives its bytes and the budget).
-    TypeError: if ``tx`` is already made by :func:`accumulate`, or the budget is not a number.
+    ``k`` (``(k, unroll)`` with ``unroll="auto"``); with ``return_estimates``,
+    ``(that, {k: bytes})`` (``{(k, unroll): bytes}`` with ``unroll="auto"``).
 
   Examples:
     >>> import jax.numpy as jnp, gradaccum_jax as ga

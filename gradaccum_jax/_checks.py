@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 import sys
@@ -39,8 +40,7 @@ def check_bool(value: Any, name: str) -> bool:
 
 def check_positive_int(value: Any, must: str) -> int:
   """``value`` as an int; ``"{must}"`` as a TypeError (not an int) or ValueError (below 1)."""
-  n = check_int(value, must)
-  if n <= 0:
+  if (n := check_int(value, must)) <= 0:
     raise ValueError(must)
   return n
 
@@ -49,8 +49,7 @@ def check_choice(value: Any, name: str, choices: Any, where: str | None = None) 
   """A ValueError naming ``name`` (and ``where``, if given) unless ``value`` is in ``choices``."""
   if value not in choices:
     prefix = "" if where is None else f"{where}: "
-    listing = ", ".join(map(repr, choices))
-    raise ValueError(f"{prefix}{name}={value!r} must be one of {listing}.")
+    raise ValueError(f"{prefix}{name}={value!r} must be one of {', '.join(map(repr, choices))}.")
 
 
 def check_decay(value: Any, name: str, example: str) -> float:
@@ -90,13 +89,11 @@ def check_aux_reduce(spec: Any, has_aux: bool, names: tuple[str, ...], where: st
 
 
 def is_inexact(x: Any) -> bool:
-  """Whether ``x`` is a float or complex array (or Python number)."""
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def is_running_mean(acc: Any) -> bool:
-  """Whether an accumulator leaf keeps the running weighted mean (updated in float32, as in
-  ``optax.MultiSteps``) instead of the sum: a float narrower than float32 (its sum overflows)."""
+  """Whether a leaf keeps a running mean, not a sum: a float under 32 bits (its sum overflows)."""
   dtype = jnp.result_type(acc)
   return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
@@ -113,10 +110,8 @@ def check_num_microbatches(
       f" {num_microbatches=}. Pass an int to ga.accumulate, drive a schedule with tx.update"
       " (streaming mode), or use ga.ramp_train_step."
     )
-  return check_positive_int(
-    num_microbatches,
-    f"{num_microbatches=} must be a positive int (micro-batches per optimizer step).",
-  )
+  must = f"{num_microbatches=} must be a positive int (micro-batches per optimizer step)."
+  return check_positive_int(num_microbatches, must)
 
 
 def check_migrated(unexpected: dict[str, Any]) -> None:
@@ -156,14 +151,14 @@ def check_batch(batch: Any, num_microbatches: int) -> int:
     raise ValueError(
       "batch has no array leaves; pass a pytree of arrays with a leading batch axis."
     )
-  sizes = {jax.tree_util.keystr(path) or "batch": jnp.shape(x) for path, x in leaves}
-  for name, shape in sizes.items():
+  shapes = {jax.tree_util.keystr(path) or "batch": jnp.shape(x) for path, x in leaves}
+  for name, shape in shapes.items():
     if not shape:
       raise ValueError(
         f"batch leaf {name} is a scalar; every batch leaf needs a leading batch dimension (pass"
         " constants through a closure or the params instead)."
       )
-  sizes = {name: shape[0] for name, shape in sizes.items()}
+  sizes = {name: shape[0] for name, shape in shapes.items()}
   if len(set(sizes.values())) > 1:
     listing = ", ".join(f"{name}: {size}" for name, size in sizes.items())
     raise ValueError(
@@ -191,19 +186,16 @@ def check_weight(
   weight: Any, what: str = "weight", means: str = "the examples or tokens in the micro-batch"
 ) -> jax.Array:
   """A scalar float32 weight, or an error naming what gave it, its shape and what it ``means``."""
-  number = hasattr(weight, "shape") or isinstance(weight, int | float)
-  if number and jnp.shape(weight) != ():
-    raise ValueError(
-      f"{what} must be a scalar ({means}), got an array of shape {jnp.shape(weight)}. Reduce it,"
-      " e.g. to mask.sum()."
-    )
-  if number and isinstance(weight, int | float) and weight < 0:  # concrete: refuse now
-    raise ValueError(f"{what} is {weight!r}; weights must be >= 0 ({means}).")
-  try:
-    if number:
+  if hasattr(weight, "shape") or isinstance(weight, int | float):
+    if jnp.shape(weight) != ():
+      raise ValueError(
+        f"{what} must be a scalar ({means}), got an array of shape {jnp.shape(weight)}. Reduce"
+        " it, e.g. to mask.sum()."
+      )
+    if isinstance(weight, int | float) and weight < 0:  # concrete: refuse now
+      raise ValueError(f"{what} is {weight!r}; weights must be >= 0 ({means}).")
+    with contextlib.suppress(TypeError):  # an array JAX cannot hold (strings)
       return jnp.asarray(weight, jnp.float32)
-  except TypeError:  # an array JAX cannot hold (strings)
-    pass
   raise TypeError(
     f"{what} must be a scalar number ({means}), got {type(weight).__name__}: {weight!r:.80}."
   )
@@ -229,8 +221,7 @@ def check_same_structure(grads: Any, reference: Any, what: str) -> None:
 
 
 def check_trainable(params: Any, what: str = "params", where: str | None = None) -> None:
-  """A TypeError naming the first integer or bool leaf; with ``where`` (the function called),
-  also for an NNX module with variables other than ``nnx.Param``."""
+  """A TypeError for an int or bool leaf or (with ``where``) an NNX module's non-Param state."""
   nnx = sys.modules.get("flax.nnx")  # imported by the user if params can be a module
   if where is not None and nnx is not None and isinstance(params, nnx.Module):
     others = nnx.state(params, nnx.Not(nnx.Param))

@@ -1,5 +1,4 @@
-"""The gradient noise scale (McCandlish et al., 2018): its state, the sums a window adds, the
-per-window estimates and their moving averages. Derivation: docs/noise_scale.md."""
+"""The gradient noise scale: its state, a window's sums, estimates, EMAs (docs/noise_scale.md)."""
 
 from __future__ import annotations
 
@@ -14,15 +13,11 @@ from gradaccum_jax._parts import Micro, Unit, Weighting, mean_of, safe_mean, sq_
 
 
 class NoiseScaleState(NamedTuple):
-  r"""State of the gradient noise scale estimate: moving averages and the open window's sums.
-
-  A closed window with ``n >= 2`` micro-batches of positive weight gives unbiased estimates of
-  :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)`; :func:`noise_scale` is the ratio of their EMAs.
+  r"""State of the gradient noise scale: the estimates' EMAs and the open window's sums.
 
   Attributes:
-    g2_ema: EMA of the estimates of :math:`|G|^2` from 0 (float32; the bias correction
-      ``1 - decay ** count`` cancels in the ratio).
-    trace_ema: EMA of the estimates of :math:`\mathrm{tr}(\Sigma)` from 0 (float32).
+    g2_ema: EMA from 0 of the windows' estimates of :math:`|G|^2` (float32).
+    trace_ema: EMA from 0 of the windows' estimates of :math:`\mathrm{tr}(\Sigma)` (float32).
     count: windows averaged into the EMAs (int32).
     sq_sum: :math:`\sum_i w_i |g_i|^2` over the open window, times the loss scale squared.
     num: micro-batches of positive weight in the open window (per-device ones on a mesh).
@@ -51,8 +46,7 @@ def init_state() -> NoiseScaleState:
 
 
 def add_noise(n: NoiseSums, sq: jax.Array, w: jax.Array | None, examples: Any = 0.0) -> NoiseSums:
-  """The sums ``n`` after a micro-batch of squared gradient norm ``sq`` and weight ``w`` (its
-  examples), or unweighted (``None``: ``examples``); float32, whatever ``sq``'s precision."""
+  """``n`` plus a micro-batch's squared norm ``sq``, weight ``w`` (None: ``examples``), in f32."""
   sq = jnp.asarray(sq).astype(jnp.float32)
   if w is None:
     more = NoiseSums(sq, 1.0, examples)
@@ -111,9 +105,7 @@ class NoiseUnit(Unit):
 def estimates(
   acc_grads: Any, acc_weight: jax.Array, ns: NoiseScaleState, scale: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-  r"""Unbiased estimates of :math:`|G|^2` and :math:`\mathrm{tr}(\Sigma)` from one window:
-  :math:`(n |\bar g|^2 - A) / (n - 1)` and :math:`N (A - |\bar g|^2) / (n - 1)`, with
-  :math:`A = \sum_i w_i |g_i|^2 / W`; NaN when ``n < 2`` or the window is empty."""
+  """A window's unbiased estimates of ``|G|^2`` and ``tr(Sigma)``; NaN if ``n < 2`` or empty."""
   valid = (ns.num > 1.5) & (acc_weight > 0)
   scale2 = 1.0 if scale is None else scale**2
   # The sums are of scaled gradients.
@@ -128,8 +120,7 @@ def estimates(
 def after_window(
   ns: NoiseScaleState | None, decay: Any, acc_grads: Any, acc_weight: Any, ok: Any, scale: Any
 ) -> tuple[NoiseScaleState | None, tuple[jax.Array, jax.Array] | tuple[()]]:
-  """The state after a window (EMAs moved if it was applied and estimable, sums emptied) and
-  its estimates (:func:`estimates`; ``()`` without the noise scale)."""
+  """The state after a window (EMAs moved if ``ok`` and estimable, sums emptied), its estimates."""
   if ns is None:
     return None, ()
   g2, trace = estimates(acc_grads, acc_weight, ns, scale)
@@ -148,32 +139,27 @@ def after_window(
 def noise_scale(state: Any) -> jax.Array:
   r"""The simple gradient noise scale :math:`B_\text{simple} = \mathrm{tr}(\Sigma) / |G|^2`.
 
-  The ratio of the EMAs in ``state.noise_scale``, in examples (what the weights count;
-  micro-batches for unweighted streaming calls): the batch size at which the gradient noise
-  equals the signal. NaN before the first estimated window; noisy while the EMAs hold few
-  windows. See docs/noise_scale.md.
+  The ratio of the EMAs in ``state.noise_scale``, in examples (what the weights count), from
+  unbiased per-window estimates (docs/noise_scale.md).
 
   Args:
     state: the state of ``ga.accumulate(..., noise_scale_ema=decay)`` (any mode's).
 
   Returns:
-    A float32 scalar array.
-
-  Raises:
-    TypeError: if ``state`` is not an accumulation state.
-    ValueError: if the state has no noise scale estimate.
+    A float32 scalar array, NaN before the first estimated window.
 
   Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import gradaccum_jax as ga
+    >>> import jax.numpy as jnp, optax, gradaccum_jax as ga
     >>> tx = ga.accumulate(optax.sgd(0.0), 2, noise_scale_ema=0.9)
-    >>> params = jnp.zeros(2)
-    >>> state = tx.init(params)
+    >>> params, state = jnp.zeros(2), tx.init(jnp.zeros(2))
     >>> for g in (jnp.array([3.0, 0.0]), jnp.array([1.0, 0.0])):
     ...   _, state = tx.update(g, state, params, weight=1.0)
     >>> # |gbar|^2 = 4, A = (9 + 1) / 2 = 5: |G|^2 ~ 2 * 4 - 5 = 3, tr(Sigma) ~ 2 * (5 - 4) = 2
     >>> round(float(ga.noise_scale(state)), 4)
     0.6667
+
+  References:
+    McCandlish et al., https://arxiv.org/abs/1812.06162
   """
   ns = getattr(getattr(state, "accumulate", state), "noise_scale", False)  # any mode's state
   if ns is False:

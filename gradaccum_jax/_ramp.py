@@ -22,8 +22,7 @@ def ramp_train_step(
   """A fused step whose number of micro-batches ``k`` may change from window to window.
 
   ``step(k, params, [model_state,] state, batch)`` is :func:`train_step` for
-  ``ga.accumulate(inner, k)``, compiled once per ``k``; one state carries through the ramp, and
-  the inner optimizer sees one step per window. Choosing ``k``: docs/choosing_k.md.
+  ``ga.accumulate(inner, k)``, compiled once per ``k``, one state for all (docs/choosing_k.md).
 
   Args:
     loss_fn: as in :func:`train_step`.
