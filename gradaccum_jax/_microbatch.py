@@ -448,7 +448,7 @@ class Core:
     stats = None
     if cfg.stats is not None:
       stats = jax.eval_shape(lambda: cfg.stats.call(cfg.precision.cast(p), model_state, mb, key))
-    out = jax.eval_shape(lambda: cfg.loss.call(p, model_state, mb, key, stats)[0])
+    out = jax.eval_shape(lambda s: cfg.loss.call(p, model_state, mb, key, s)[0], stats)
     keys = jax.eval_shape(lambda m: Static(tuple(cfg.weighting.fn(m))), mb).value
     names = names_of(out, keys, cfg.where)
     if cfg.where == "micro_step":

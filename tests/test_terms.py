@@ -291,3 +291,82 @@ def test_per_term_weights_on_stacked_layers_add_in_place_at_the_one_term_peak():
   scalars = 64  # the per-term weights' finiteness check (a NaN weight voids the window)
   bound = 3 * activations + (0 if in_place else A) + scalars
   assert peaks[1] - peaks[0] <= bound, (peaks, activations)
+
+
+# --- per-term weights and window statistics together (issue 61) -------------------------------
+
+CLASSES, K = 4, 4
+
+
+def _router(p, x):
+  return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def _counts(p, mb):
+  """The window statistic: the real tokens routed to each class (top 1)."""
+  top = jnp.argmax(_router(p, mb["x"]), -1)
+  hot = jax.nn.one_hot(top, CLASSES, dtype=jnp.int32) * mb["m"][..., None].astype(jnp.int32)
+  return jnp.sum(hot, axis=(0, 1))
+
+
+def _ce_and_balance(p, mb, stats):
+  """A token cross-entropy and a global-batch balance loss (the window's fractions ``f``, each
+  micro-batch's mean router probability): what MoE users train."""
+  logp = jax.nn.log_softmax(_router(p, mb["x"]))
+  nll = -jnp.take_along_axis(logp, mb["y"][..., None], -1)[..., 0]
+  m = mb["m"]
+  f = stats / jnp.maximum(jnp.sum(stats), 1)
+  probs = jnp.sum(jnp.exp(logp) * m[..., None], axis=(0, 1)) / jnp.sum(m)
+  return {"ce": jnp.sum(nll * m) / jnp.sum(m), "balance": CLASSES * jnp.sum(probs * f)}
+
+
+def _tokens(mb):
+  return {"ce": jnp.sum(mb["m"]), "balance": jnp.sum(mb["m"])}
+
+
+@pytest.mark.parametrize("entry", ["value_and_grad", "value_and_grad_mesh", "train_step", "nnx"])
+def test_per_term_weights_and_window_statistics_combine_to_the_big_batch(entry):
+  """Token-weighted terms, one reading the window's statistics (before: "weight_fn(microbatch)
+  must be a scalar number"): the loss and gradient of the whole batch, whose balance loss reads
+  the whole batch's fractions, on one device and eight."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  p = {"w1": jax.random.normal(k1, (5, 8)), "w2": jax.random.normal(k2, (8, CLASSES))}
+  lengths = jnp.array([1, 6, 3, 0, 2, 5, 4, 6] * 4)  # uneven, one empty row in each micro-batch
+  batch = {
+    "x": jax.random.normal(k3, (32, 6, 5)), "y": jax.random.randint(k3, (32, 6), 0, CLASSES),
+    "m": (jnp.arange(6)[None] < lengths[:, None]).astype(jnp.float32),
+  }  # fmt: skip
+
+  def whole(p, b):
+    terms = _ce_and_balance(p, b, jax.lax.stop_gradient(_counts(p, b)))
+    return terms["ce"] + terms["balance"]
+
+  loss, grads = jax.value_and_grad(whole)(p, batch)
+  kw = dict(weight_fn=_tokens, window_stats=_counts)
+  if entry.startswith("value_and_grad"):
+    mesh = jax.make_mesh((8,), ("data",)) if entry.endswith("mesh") else None
+    got_loss, got = jax.jit(ga.value_and_grad(_ce_and_balance, K, mesh=mesh, **kw))(p, batch)
+    np.testing.assert_allclose(got_loss, loss, rtol=1e-5)
+  elif entry == "train_step":
+    tx = ga.accumulate(optax.sgd(1.0), K)
+    new, _, metrics = ga.train_step(_ce_and_balance, tx, **kw)(p, tx.init(p), batch)
+    got = jax.tree.map(lambda a, b: a - b, p, new)  # sgd(1.0): the gradient
+    np.testing.assert_array_equal(metrics["window_stats"], _counts(p, batch))
+  else:
+    from flax import nnx
+
+    class Router(nnx.Module):
+      def __init__(self):
+        self.w1, self.w2 = nnx.Param(p["w1"].copy()), nnx.Param(p["w2"].copy())
+
+    model = Router()
+    optimizer = nnx.Optimizer(model, ga.accumulate(optax.sgd(1.0), K), wrt=nnx.Param)
+    as_params = lambda m: {"w1": m.w1[...], "w2": m.w2[...]}  # noqa: E731
+    step = ga.nnx_train_step(
+      lambda m, mb, s: _ce_and_balance(as_params(m), mb, s), weight_fn=_tokens,
+      window_stats=lambda m, mb: _counts(as_params(m), mb),
+    )  # fmt: skip
+    step(model, optimizer, batch)
+    got = jax.tree.map(lambda a, b: a - b, p, as_params(model))
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(grads), strict=True):
+    np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
