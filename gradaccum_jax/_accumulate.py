@@ -31,10 +31,9 @@ from gradaccum_jax._noise import (
   noise_scale,
 )
 from gradaccum_jax._parts import (
-  AuxReducers,
-  SumsUnit,
-  Weighting,
+  PLAIN_SUMS,
   add_gradients,
+  counted,
   keeps_running_means,
   mean_of,
   over_slots,
@@ -94,7 +93,7 @@ class MicroStepState(NamedTuple):
 
 
 # The units of the sums an AccumulateState holds in device slots in a MicroStepState.
-_SLOTTED = {"sums": SumsUnit(Weighting(None), AuxReducers()), "noise": NoiseUnit(Weighting(None))}
+_SLOTTED = {"sums": PLAIN_SUMS, "noise": NoiseUnit(False)}
 
 
 def _field(name: str) -> property:
@@ -357,17 +356,17 @@ class Accumulator:
     refuse_overwritten(grads, "grads", "tx.update")
     check_same_structure(grads, state.acc_grads, "grads")
     check_trainable(grads, "grads")
-    wt = Weighting(None if weight is None else check_weight)
+    weighted = weight is not None
     w = jnp.ones((), jnp.float32) if weight is None else check_weight(weight)
-    noise = NoiseUnit(wt)  # its sums held in the state, () without the noise scale
+    noise = NoiseUnit(weighted)  # its sums held in the state
     if state.noise_scale is not None:
       sums = add_noise(noise.held(state), sq_norm(grads), None if weight is None else w, 1.0)
       state = noise.hold(state, sums)
     held = state._replace(
       micro_step=optax.safe_increment(state.micro_step),
       updated=jnp.zeros((), bool),
-      acc_grads=add_gradients(state.acc_grads, grads, w, state.acc_weight, wt),
-      acc_weight=state.acc_weight + wt.total(w),
+      acc_grads=add_gradients(state.acc_grads, grads, w, state.acc_weight, weighted),
+      acc_weight=state.acc_weight + counted(w, weighted),
     )
     k = self.num_microbatches
     closes = (isinstance(k, int) and k == 1) or held.micro_step >= self.window_size(state.count)

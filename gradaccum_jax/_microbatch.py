@@ -329,7 +329,7 @@ class Core:
   @property
   def weighting(self) -> Weighting:
     """Each micro-batch's weight: ``weight_fn``'s, or under DP its real examples."""
-    return self.config.weighting if self.privacy is None else Weighting(self.privacy.count)
+    return Weighting(self.config.weight_fn if self.privacy is None else self.privacy.count)
 
   @property
   def reducers(self) -> AuxReducers:
@@ -341,7 +341,7 @@ class Core:
     """The units whose parts an open window's state holds: the sums and the noise sums."""
     w = self.weighting
     units = {"sums": SumsUnit(w, self.reducers, jax.tree.map(jnp.result_type, acc_init))}
-    return units | ({"noise": NoiseUnit(w)} if self.noise_sums else {})
+    return units | ({"noise": NoiseUnit(w.weighted)} if self.noise_sums else {})
 
   def held_units(self, acc_init: Any) -> dict[str, Unit]:
     """The units whose parts a streaming call's state holds: the sums and the registered ones."""
@@ -387,7 +387,7 @@ class Core:
     types = [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(params)]
     if types != [(jnp.result_type(x), jax.typeof(x).sharding) for x in jax.tree.leaves(acc_init)]:
       return "dtype"
-    if self.config.weighting.weighted and jnp.finfo(loss().dtype).bits < 32:
+    if self.config.weight_fn is not None and jnp.finfo(loss().dtype).bits < 32:
       return "narrow_loss"
     return None
 
@@ -449,11 +449,11 @@ class Core:
     if cfg.stats is not None:
       stats = jax.eval_shape(lambda: cfg.stats.call(cfg.precision.cast(p), model_state, mb, key))
     out = jax.eval_shape(lambda s: cfg.loss.call(p, model_state, mb, key, s)[0], stats)
-    keys = jax.eval_shape(lambda m: Static(tuple(cfg.weighting.fn(m))), mb).value
+    keys = jax.eval_shape(lambda m: Static(tuple(cfg.weight_fn(m))), mb).value
     names = names_of(out, keys, cfg.where)
     if cfg.where == "micro_step":
       raise TypeError(refused(cfg.where, list(names)))
-    return Terms(names, cfg.weighting.fn)
+    return Terms(names, cfg.weight_fn)
 
   def statistics(self, take, model_state, num, devices, weighting) -> Any:
     """``window_stats`` on each micro-batch, forward only (one micro-batch's activations held

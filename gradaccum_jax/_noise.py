@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._parts import Micro, Unit, Weighting, mean_of, safe_mean, sq_norm
+from gradaccum_jax._parts import Micro, Unit, mean_of, safe_mean, sq_norm
 
 
 class NoiseScaleState(NamedTuple):
@@ -60,7 +60,7 @@ def add_noise(n: NoiseSums, sq: jax.Array, w: jax.Array | None, examples: Any = 
 class NoiseUnit(Unit):
   """The noise sums' unit (protocol: ``_parts``); it needs each micro-batch's own gradient."""
 
-  weighting: Weighting
+  weighted: bool  # micro-batches weighed by weight_fn (else alike)
   name = "noise"
   needs_grads = "noise"  # a key of _microbatch.CARRIED_BECAUSE
 
@@ -68,11 +68,11 @@ class NoiseUnit(Unit):
     return NoiseSums(*(jnp.zeros((), jnp.float32),) * 3)
 
   def update(self, n: NoiseSums, m: Micro) -> NoiseSums:
-    return add_noise(n, sq_norm(m.grads), m.weight if self.weighting.weighted else None)
+    return add_noise(n, sq_norm(m.grads), m.weight if self.weighted else None)
 
   def finalize(self, n: NoiseSums, num: Any, rows: int) -> NoiseSums:
     """Unweighted, the examples are the ``num`` micro-batches' ``rows``."""
-    if self.weighting.weighted:
+    if self.weighted:
       return n
     return n._replace(examples=jnp.asarray(num * rows, jnp.float32))
 
@@ -82,7 +82,7 @@ class NoiseUnit(Unit):
 
   def share(self, n: NoiseSums, devices: int) -> NoiseSums:
     """Unweighted, a device's micro-batch weighs ``1 / devices`` (``SumsUnit.share``)."""
-    return n if self.weighting.weighted else n._replace(sq_sum=n.sq_sum / devices)
+    return n if self.weighted else n._replace(sq_sum=n.sq_sum / devices)
 
   def merge(self, n: NoiseSums, more: NoiseSums) -> NoiseSums:
     return jax.tree.map(lambda x, y: x + y.astype(x.dtype), n, more)

@@ -22,7 +22,7 @@ from gradaccum_jax._checks import (
   check_int,
 )
 from gradaccum_jax._model_state import check_batchnorm, check_state_like
-from gradaccum_jax._parts import AuxReducers, Weighting, reducer_names
+from gradaccum_jax._parts import AuxReducers, reducer_names
 from gradaccum_jax._sharding import DataParallel, make_data_parallel
 
 # Every keyword option of the steps: (default, what it does). Each public function takes the
@@ -219,7 +219,7 @@ class Config:
 
   where: str  # the public function the user called, for errors
   loss: Loss
-  weighting: Weighting = Weighting(None)
+  weight_fn: Callable[[Any], Any] | None = None
   precision: Precision = Precision()
   batchnorm: tuple[str, float | None] = ("sequential", None)  # mode and momentum
   stats: WindowStats | None = None
@@ -270,7 +270,7 @@ class Config:
       loss=Loss(
         loss_fn, has_aux, has_state, stats is not None, AuxReducers(o["aux_reduce"], where)
       ),
-      weighting=Weighting(o["weight_fn"]),
+      weight_fn=o["weight_fn"],
       precision=Precision(dtype, check_bool(o["grads_in_place"], f"{where}: grads_in_place")),
       batchnorm=(o["batchnorm"], None if momentum is None else float(momentum)),
       stats=stats,

@@ -178,8 +178,8 @@ class Rule:
 
   running_mean = False
 
-  def one(self, acc: jax.Array, g: Any, w: jax.Array, wt: Weighting) -> jax.Array:
-    return wt.add(jnp.zeros_like(acc), g, w)
+  def one(self, acc: jax.Array, g: Any, w: jax.Array, weighted: bool) -> jax.Array:
+    return weighted_sum(jnp.zeros_like(acc), g, w, weighted)
 
   def merge(self, acc: jax.Array, more: Any, frac: jax.Array) -> jax.Array:
     return acc + more.astype(acc.dtype)
@@ -197,7 +197,7 @@ class Rule:
 class _RunningMean(Rule):
   running_mean = True
 
-  def one(self, acc: jax.Array, g: Any, w: jax.Array, wt: Weighting) -> jax.Array:
+  def one(self, acc: jax.Array, g: Any, w: jax.Array, weighted: bool) -> jax.Array:
     return g
 
   def merge(self, acc: jax.Array, more: Any, frac: jax.Array) -> jax.Array:
@@ -237,11 +237,11 @@ def merge_gradients(acc: Any, weight: jax.Array, more: Any, more_weight: jax.Arr
   return jax.tree.map(lambda a, b: rule_of(a).merge(a, b, frac), acc, more)
 
 
-def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, wt: Weighting) -> Any:
+def add_gradients(acc: Any, grads: Any, w: jax.Array, weight: jax.Array, weighted: bool) -> Any:
   """``acc`` (of total weight ``weight``) after one more micro-batch ``grads`` of weight ``w``:
   :func:`merge_gradients` with the micro-batch as a window of its own (``Rule.one``)."""
-  one = jax.tree.map(lambda a, g: rule_of(a).one(a, g, w, wt), acc, grads)
-  return merge_gradients(acc, weight, one, wt.total(w))
+  one = jax.tree.map(lambda a, g: rule_of(a).one(a, g, w, weighted), acc, grads)
+  return merge_gradients(acc, weight, one, counted(w, weighted))
 
 
 def addends(acc: Any, weight: jax.Array, dtypes: Any = None) -> Any:
@@ -322,23 +322,30 @@ class Weighting:
     return check_weight(self.fn(microbatch), "the value of weight_fn(microbatch)")
 
   def add(self, acc: Any, tree: Any, w: jax.Array) -> Any:
-    """``acc + w * tree`` leafwise in ``acc``'s dtypes (``acc + tree`` for integer ``acc``
-    leaves); a weight <= 0 (or NaN) adds exactly 0, by a select, even a NaN value (0/0 loss)."""
-
-    def one(a, x):
-      x = jnp.asarray(x)
-      if not self.weighted:
-        return a + x.astype(a.dtype)
-      if is_inexact(a):
-        x = x.astype(a.dtype) * w.astype(a.dtype)
-      return a + jnp.where(w > 0, x, 0).astype(a.dtype)
-
-    return jax.tree.map(one, acc, tree)
+    return weighted_sum(acc, tree, w, self.weighted)
 
   def total(self, w: jax.Array) -> jax.Array:
-    """What a micro-batch adds to the total weight: ``w``, 0 for ``w <= 0``; NaN stays NaN
-    (a non-finite total voids the window)."""
-    return w if not self.weighted else jnp.where(w <= 0, 0.0, w)
+    return counted(w, self.weighted)
+
+
+def weighted_sum(acc: Any, tree: Any, w: jax.Array, weighted: bool) -> Any:
+  """``acc + w * tree`` leafwise in ``acc``'s dtypes (``acc + tree`` for integer leaves, or
+  unweighted); a weight <= 0 (or NaN) adds exactly 0, by a select, even a NaN value."""
+
+  def one(a, x):
+    x = jnp.asarray(x)
+    if not weighted:
+      return a + x.astype(a.dtype)
+    if is_inexact(a):
+      x = x.astype(a.dtype) * w.astype(a.dtype)
+    return a + jnp.where(w > 0, x, 0).astype(a.dtype)
+
+  return jax.tree.map(one, acc, tree)
+
+
+def counted(w: jax.Array, weighted: bool) -> jax.Array:
+  """What a micro-batch adds to the total weight: ``w``, 0 for ``w <= 0``; NaN stays NaN."""
+  return w if not weighted else jnp.where(w <= 0, 0.0, w)
 
 
 # Window statistics as data: each aux leaf's reducer is a record of REDUCERS; AuxReducers
@@ -638,11 +645,17 @@ class SumsUnit(Unit):
   weighting: Weighting
   reducers: AuxReducers
   dtypes: Any = None
+  scatters: tuple | None = None  # per gradient leaf its per-micro-batch reduce-scatter, or None
   name = "sums"
 
   def init(self, acc_init: Any, like: Micro) -> Sums:
     loss = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), sum_dtype(x)), like.loss)
-    return Sums(acc_init, jnp.zeros((), jnp.float32), loss, self.reducers.init(like.aux))
+    grads = acc_init
+    if self.scatters:  # a narrow leaf reduce-scattered per micro-batch: its shard's float32 sum
+      leaves = zip(jax.tree.leaves(acc_init), self.scatters, strict=True)
+      wide = [a.astype(jnp.float32) if f and rule_of(a).running_mean else a for a, f in leaves]
+      grads = jax.tree.structure(acc_init).unflatten(wide)
+    return Sums(grads, jnp.zeros((), jnp.float32), loss, self.reducers.init(like.aux))
 
   def update(self, s: Sums, m: Micro) -> Sums:
     w, wt = m.weight, self.weighting
@@ -651,7 +664,19 @@ class SumsUnit(Unit):
     return Sums(self.add_grads(s, m), weight, wt.add(s.loss, m.loss, w), aux)
 
   def add_grads(self, s: Sums, m: Micro) -> Any:
-    return add_gradients(s.grads, m.grads, m.weight, s.weight, self.weighting)
+    """The gradient sums after ``m``; with ``scatters``, ``w_i g_i`` of a leaf sharded over the
+    data axes reduce-scattered before it is added (each device's weight on its own gradient)."""
+    weighted = self.weighting.weighted
+    if not self.scatters:
+      return add_gradients(s.grads, m.grads, m.weight, s.weight, weighted)
+
+    def one(a, g, scatter):
+      if scatter is None:
+        return add_gradients(a, g, m.weight, s.weight, weighted)
+      return a + scatter(weighted_sum(jnp.zeros(jnp.shape(g), a.dtype), g, m.weight, weighted))
+
+    leaves = zip(jax.tree.leaves(s.grads), jax.tree.leaves(m.grads), self.scatters, strict=True)
+    return jax.tree.structure(s.grads).unflatten([one(*t) for t in leaves])
 
   def counted_after(self, s: Sums) -> bool:
     """Unweighted, the total weight is the number of micro-batches, added after the loop (a
@@ -709,6 +734,9 @@ class SumsUnit(Unit):
   def seed_factor(self, devices: int) -> int:
     """The inverse of :meth:`share`: an open window's sums, added by one device into its share."""
     return 1 if self.weighting.weighted else devices
+
+
+PLAIN_SUMS = SumsUnit(Weighting(None), AuxReducers())  # a state's sums, reduced or totalled
 
 
 def keep_if_voided(updated: jax.Array, new: Any, old: Any) -> Any:

@@ -36,7 +36,7 @@ class Privacy:
         f"{config.where}: a DP transformation (ga.dp_accumulate) does not take window_stats=:"
         " each example's clipped gradient may read that example only, not the window's."
       )
-    return dataclasses.replace(self, example_weight=config.weighting.fn)
+    return dataclasses.replace(self, example_weight=config.weight_fn)
 
   def backward(self, **fields: Any) -> PerExample:
     """The window's backward strategy: each example's gradient clipped (:meth:`micro`)."""

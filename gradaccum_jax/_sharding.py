@@ -22,13 +22,9 @@ from gradaccum_jax._memory import device_memory_budget
 from gradaccum_jax._parts import (
   COLLECTIVES,
   Inputs,
-  Micro,
   Static,
   Sums,
-  SumsUnit,
   Window,
-  add_gradients,
-  rule_of,
 )
 
 GATHER_POLICIES = ("once", "per_microbatch", "auto")
@@ -328,8 +324,8 @@ def _leaf_plan(dp: DataParallel, name: str, shape: tuple[int, ...], spec: Any) -
 
 @dataclasses.dataclass(frozen=True)
 class PerMicrobatch:
-  """``gather_params="per_microbatch"``, a hook of ``local_sums``: each micro-batch gathers the
-  params' shards, and its gradient is reduce-scattered (:class:`ScatteredSumsUnit`)."""
+  """``gather_params="per_microbatch"``: each micro-batch gathers the params' shards, and its
+  gradient is reduce-scattered (:meth:`wrap`)."""
 
   plans: tuple[_LeafPlan, ...]
   axes: tuple[str, ...]
@@ -340,35 +336,11 @@ class PerMicrobatch:
     params, _ = jax.lax.optimization_barrier((params, index))
     return to_varying(_per_leaf(lambda x, p: p.gather(x), params, self.plans), self.axes)
 
-  def wrap(self, unit: SumsUnit) -> ScatteredSumsUnit:
-    return ScatteredSumsUnit(unit.weighting, unit.reducers, unit.dtypes, self.plans)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScatteredSumsUnit(SumsUnit):
-  """:class:`SumsUnit` whose gradient sums of params sharded over the data axes are reduce-scattered
-  every micro-batch: ``w_i g_i`` (0 for ``w_i <= 0``) is reduced before it is added, so each
-  device's weight multiplies its own gradient; such a leaf of a narrow accumulator is summed in
-  float32 (a shard; ``SumsUnit.reduce`` makes the window's mean)."""
-
-  plans: tuple[_LeafPlan, ...] = ()
-
-  def init(self, acc_init: Any, like: Micro) -> Sums:
-    s = super().init(acc_init, like)
-
-    def wide(a, p):  # a narrow leaf sharded over the data axes: its shard's float32 sum
-      return a.astype(jnp.float32) if p.dim is not None and rule_of(a).running_mean else a
-
-    return s._replace(grads=_per_leaf(wide, s.grads, self.plans))
-
-  def add_grads(self, s: Sums, m: Micro) -> Any:
-    def one(a, g, p):
-      if p.dim is None:
-        return add_gradients(a, g, m.weight, s.weight, self.weighting)
-      return a + p.scatter(self.weighting.add(jnp.zeros(jnp.shape(g), a.dtype), g, m.weight))
-
-    leaves = zip(jax.tree.leaves(s.grads), jax.tree.leaves(m.grads), self.plans, strict=True)
-    return jax.tree.structure(s.grads).unflatten([one(*t) for t in leaves])
+  def wrap(self, unit: Any) -> Any:
+    """The sums ``unit`` reduce-scattering each micro-batch's gradient of a data-sharded leaf."""
+    return dataclasses.replace(
+      unit, scatters=tuple(None if p.dim is None else p.scatter for p in self.plans)
+    )
 
 
 def reduce_over_data(
