@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
-pytestmark = pytest.mark.slow  # subprocess runs of the benchmark scripts: the full suite only
+# Subprocess runs of the benchmark scripts: the full suite only, once, on the newest jax.
+pytestmark = [
+  pytest.mark.slow,
+  pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="run once, on the newest jax"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"plain", "multisteps_loop", "optax_microbatch", "ga_streaming", "ga_train_step"}

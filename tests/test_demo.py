@@ -7,10 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import gradaccum_jax as ga
+
+# Prose and scripts, not the JAX floor: run once, under the newest JAX pip resolves (CI's Python
+# 3.12); under JAX 0.10 the rest of the suite runs.
+pytestmark = pytest.mark.skipif(
+  jax.__version_info__ < (0, 11), reason="run once, on the newest jax"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.py"

@@ -21,6 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 
+# Prose and scripts, not the JAX floor: run once, under the newest JAX pip resolves (CI's Python
+# 3.12); under JAX 0.10 the rest of the suite runs.
+pytestmark = pytest.mark.skipif(
+  jax.__version_info__ < (0, 11), reason="run once, on the newest jax"
+)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GENERATED = ("notebooks", "benchmark_results", "_build")  # written by docs/conf.py at build time
