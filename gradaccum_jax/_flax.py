@@ -201,24 +201,16 @@ def linen_train_step(
 
   Args:
     module: the ``flax.linen.Module`` (``module.apply`` is called, not ``apply_fn``).
-    loss_fn, window_stats: ``fn(outputs, microbatch)``, the mean loss (``(loss, aux)`` with
-      ``has_aux``) and the window's statistics (as in :func:`train_step`).
-    batchnorm, batchnorm_momentum: as in :func:`value_and_grad`; a ``None`` momentum is read
-      from the module's ``nn.BatchNorm`` layers, which must all have the same.
+    loss_fn, window_stats: ``fn(outputs, microbatch)``.
     inputs: the batch key of the model input, or ``inputs(microbatch)`` -> ``apply``'s arguments.
     train_kwargs: keyword arguments of every ``module.apply``, e.g. ``{"train": True}``.
     rng_collections: the RNG collections that get keys (``fold_in(fold_in(rng, i), j)``).
-    donate: write over the old state (off: the old ``TrainState``'s variables may still be read).
-    has_aux, weight_fn, jit, compute_dtype, grads_in_place, aux_reduce, unroll: as in :func:`train_step`.
-    window_stats_reduce, mesh, data_axis, param_specs, gather_params, memory_budget_bytes: likewise.
+    donate, jit: write over the old state; jit the step.
+    batchnorm_momentum: ``"per_window"``'s momentum (None: the module's ``nn.BatchNorm``'s).
 
   Returns:
     ``step(train_state, batch, rng=None, *, num_real_microbatches=None) -> (train_state,
-    metrics)``, ``train_state.step`` advanced by 1; ``metrics`` as in :func:`train_step`.
-
-  Raises:
-    ValueError, TypeError: for a bad option; at the first call, for a ``train_state.tx`` not
-      from :func:`accumulate`, a mode without ``batch_stats`` or BatchNorms of different momenta.
+    metrics)``, ``train_state.step`` advanced by 1; ``metrics`` as :func:`train_step`'s.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, gradaccum_jax as ga

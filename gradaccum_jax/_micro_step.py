@@ -327,29 +327,20 @@ def micro_step(
   r"""A jitted step per micro-batch: ``k`` calls are one :func:`train_step` window.
 
   For a data loader that yields micro-batches: ``step(params, state, microbatch, rng=None)``
-  adds the micro-batch's :math:`w_i g_i` and :math:`w_i L_i` to the sums in ``state``
-  (``tx.init(params)``, or any mode's state); the call that completes the window of ``tx``
-  applies ``inner`` once to :math:`G = \sum_i w_i g_i / \sum_i w_i` through the same
-  closing code as :func:`train_step`, in a ``lax.cond`` that ``jax.grad`` goes through. With
-  ``mesh``, every device adds its rows' sums to its own slot of the state; only the closing
-  call reduces them, once per window (slots and checkpoints: docs/data_parallel.md).
+  adds its :math:`w_i g_i` and :math:`w_i L_i` to the sums in ``state`` (any mode's); the call
+  that completes the window of ``tx`` applies ``inner`` once to :math:`G = \sum_i w_i g_i /
+  \sum_i w_i` in a ``lax.cond``. With ``mesh`` each device adds to its own slot, reduced once
+  per window (docs/data_parallel.md).
 
   Args:
-    loss_fn, has_aux, weight_fn, has_state, mesh, data_axis, param_specs: as in :func:`train_step`.
-    grads_in_place: as in :func:`train_step` (donated and without a mesh only).
-    aux_reduce: as in :func:`train_step`; the open window's reductions are state.
+    loss_fn: as in :func:`train_step`.
     tx: made by :func:`accumulate` (``num_microbatches`` may be a schedule).
-    donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step (default).
+    donate, jit: donate ``params``, ``state`` (and ``model_state``); jit the step.
 
   Returns:
-    A :class:`MicroStep`: ``step(params, state, microbatch, rng=None) -> (params, state,
-    metrics)`` (``model_state`` after ``params`` with ``has_state``), the state a
-    ``MicroStepState`` every mode takes; ``metrics``: ``"updated"``, ``"micro_step"`` and,
-    for the closing call, ``"loss"``, ``"grad_norm"``, ``"weight"`` (NaN on the others).
-
-  Raises:
-    TypeError, ValueError: for a bad ``tx`` or state, the mesh errors of :func:`train_step`,
-      or a micro-batch whose rows the data-parallel devices do not divide.
+    A :class:`MicroStep`, ``step(params, state, microbatch, rng=None) -> (params, state,
+    metrics)`` with a ``MicroStepState``; ``metrics``: ``"updated"``, ``"micro_step"``, and for
+    the closing call ``"loss"``, ``"grad_norm"``, ``"weight"`` (NaN on the others).
 
   Examples:
     >>> import jax.numpy as jnp, optax

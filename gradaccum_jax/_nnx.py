@@ -137,29 +137,20 @@ def nnx_train_step(
 ) -> Callable[..., dict[str, Any]]:
   r"""A fused accumulation step for a Flax NNX module and its ``nnx.Optimizer``.
 
-  ``step(model, optimizer, batch) -> metrics`` is :func:`train_step` (``has_state=True``) for
-  ``optimizer = nnx.Optimizer(model, ga.accumulate(inner, k), wrt=...)``: the params are what
-  ``wrt`` selects, the rest is model state, both updated in place. More: docs/models.md.
+  ``step(model, optimizer, batch) -> metrics`` is :func:`train_step` for ``optimizer =
+  nnx.Optimizer(model, ga.accumulate(inner, k), wrt=...)``: the params are what ``wrt`` selects,
+  the rest is model state, both updated in place (docs/models.md).
 
   Args:
-    loss_fn: ``loss_fn(model, microbatch)``, the mean loss (``(loss, aux)`` with ``has_aux``).
-    batchnorm: as in :func:`value_and_grad`; ``"per_window"`` reads the ``nnx.BatchNorm`` momentum.
-    param_specs: as in :func:`train_step`, shaped like ``nnx.to_pure_dict(nnx.state(model, wrt))``.
-    donate: write the new variables and optimizer state over the old ones (default: the step
-      writes them back into ``model`` and ``optimizer``; an array also held elsewhere, as
+    loss_fn, window_stats: ``fn(model, microbatch)``.
+    param_specs: shaped as ``nnx.to_pure_dict(nnx.state(model, wrt))``.
+    donate: write the new variables over the old (an array also held elsewhere, as
       ``nnx.clone`` shares them, is deleted: copy it first, or pass ``donate=False``).
-    jit: return the step jitted with ``nnx.jit`` (default), or traceable, for your own.
-    has_aux, weight_fn, compute_dtype, grads_in_place, aux_reduce, unroll: as in :func:`train_step`.
-    window_stats, window_stats_reduce: as in :func:`train_step`, ``stats_fn(model, microbatch)``.
-    mesh, data_axis, gather_params, memory_budget_bytes: as in :func:`train_step`.
+    jit: return the step jitted with ``nnx.jit``, or traceable.
 
   Returns:
-    ``step(model, optimizer, batch, *, num_real_microbatches=None) -> metrics``, both as
-    in :func:`train_step`; ``optimizer.step`` advances by 1.
-
-  Raises:
-    ValueError, TypeError: for a bad option; at the first call, for an ``optimizer.tx`` not
-      from :func:`accumulate`, a ``batchnorm`` mode the model cannot serve, or a bad batch.
+    ``step(model, optimizer, batch, *, num_real_microbatches=None) -> metrics``;
+    ``optimizer.step`` advances by 1.
 
   Examples:
     >>> import jax.numpy as jnp, optax, gradaccum_jax as ga

@@ -189,31 +189,24 @@ def dp_accumulate(
 ) -> Accumulate:
   r"""DP-SGD over accumulation windows: :func:`accumulate` whose window update is private.
 
-  The fused steps (:func:`train_step`, :func:`linen_train_step`, :func:`nnx_train_step`) and
-  :func:`micro_step` clip each example's gradient :math:`g_e` (``loss_fn`` on its row alone) to
-  norm ``C = l2_clip`` and sum the window's; ``tx.update`` takes a micro-batch's from
-  :func:`clipped_grad`. The window closes with one ``inner`` update on
+  Each example's gradient :math:`g_e` (``loss_fn`` on its row alone) is clipped to norm ``C``
+  in the steps (:func:`clipped_grad` for ``tx.update``); the window closes with one ``inner``
+  update on
 
   .. math:: G = \Big(\sum_e \min(1, C / \|g_e\|)\, g_e + \mathcal{N}(0, \sigma^2 C^2 I)\Big) / B,
 
-  :math:`\sigma` = ``noise_multiplier``, :math:`B` = ``expected_batch_size`` (fixed: the
-  realized count would depend on the data), the noise drawn once per window (on a mesh too)
-  from ``seed`` and ``state.count``, the windows an accountant counts (docs/privacy.md).
-  ``weight_fn(example)`` marks padding (0), which adds nothing; an example whose gradient is
-  not finite adds 0 too, so the window is voided for no reason of the data.
+  the noise drawn once per window from ``seed`` and ``state.count`` (docs/privacy.md).
 
   Args:
-    inner: the optimizer applied once per window (clipping of ``G`` may go inside it).
+    inner: the optimizer applied once per window.
     num_microbatches: ``k``, a positive int.
-    l2_clip, noise_multiplier, expected_batch_size: ``C > 0``, ``sigma >= 0``, ``B > 0``.
-    seed: the noise's seed (an int); keep it secret and fixed across a resumed run.
+    l2_clip, noise_multiplier, expected_batch_size: ``C > 0``, ``sigma >= 0``, ``B > 0``
+      (fixed: the realized count would depend on the data).
+    seed: the noise's seed (a 64-bit int); keep it secret and fixed across a resumed run.
     accum_dtype, skip_nonfinite: as in :func:`accumulate`.
 
   Returns:
     An :class:`Accumulate` whose ``privacy`` holds the settings.
-
-  Raises:
-    TypeError, ValueError: for settings out of range, naming the value.
 
   Examples:
     >>> import jax.numpy as jnp, optax
