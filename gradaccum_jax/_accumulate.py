@@ -28,7 +28,6 @@ from gradaccum_jax._noise import (
   add_noise,
   after_window,
   init_state,
-  noise_scale,
 )
 from gradaccum_jax._parts import (
   PLAIN_SUMS,
@@ -201,7 +200,7 @@ class Closed(NamedTuple):
   out: Any  # the new params, or (mode "cond") the updates
   state: AccumulateState  # after the window, its accumulator cleared or as it was
   grad_norm: jax.Array  # the norm of the window's mean gradient
-  noise: tuple[jax.Array, jax.Array] | tuple[()]  # this window's |G|^2 and tr(Sigma) estimates
+  metrics: dict[str, jax.Array]  # what else the window reports (the noise scale's)
 
 
 class _WeightedMean:
@@ -332,7 +331,7 @@ class Accumulator:
 
     inner = _inner_update(self.inner, mean_fn, mode, params, state.inner_state, extra_args)
     updates, inner_state, cleared = _CLOSERS[mode](ok, inner, acc_grads, params, state.inner_state)
-    noise, estimates = after_window(
+    noise, metrics = after_window(
       state.noise_scale, self.noise_scale_ema, acc_grads, acc_weight, ok, scale
     )
     new_state = AccumulateState(
@@ -346,7 +345,7 @@ class Accumulator:
       loss_scale=loss_scale,
       noise_scale=noise,
     )
-    return Closed(updates, new_state, jnp.sqrt(sq), estimates)
+    return Closed(updates, new_state, jnp.sqrt(sq), metrics)
 
   def update(
     self, grads: Updates, state: AccumulateState, params: Params | None = None, *,
@@ -490,12 +489,7 @@ def window_metrics(closed: Closed, loss: Any, aux: Any, weight: jax.Array, has_a
     metrics["aux"] = aux
   if scale is not None:
     metrics["loss_scale"] = scale
-  if closed.noise:
-    g2, trace = closed.noise
-    metrics.update(
-      noise_scale=noise_scale(closed.state), grad_sq_norm_est=g2, trace_sigma_est=trace
-    )
-  return metrics
+  return metrics | closed.metrics
 
 
 def _applied(params: Params, updates: Updates) -> Params:

@@ -119,10 +119,11 @@ def estimates(
 
 def after_window(
   ns: NoiseScaleState | None, decay: Any, acc_grads: Any, acc_weight: Any, ok: Any, scale: Any
-) -> tuple[NoiseScaleState | None, tuple[jax.Array, jax.Array] | tuple[()]]:
-  """The state after a window (EMAs moved if ``ok`` and estimable, sums emptied), its estimates."""
+) -> tuple[NoiseScaleState | None, dict[str, jax.Array]]:
+  """The state after a window (EMAs moved if ``ok`` and estimable, sums emptied) and what the
+  window reports: the ratio of the averages and this window's estimates."""
   if ns is None:
-    return None, ()
+    return None, {}
   g2, trace = estimates(acc_grads, acc_weight, ns, scale)
   use = ok & jnp.isfinite(g2) & jnp.isfinite(trace)
 
@@ -133,7 +134,8 @@ def after_window(
   new = init_state()._replace(
     g2_ema=ema(ns.g2_ema, g2), trace_ema=ema(ns.trace_ema, trace), count=count
   )
-  return new, (g2, trace)
+  metrics = dict(noise_scale=new.trace_ema / new.g2_ema, grad_sq_norm_est=g2, trace_sigma_est=trace)
+  return new, metrics
 
 
 def noise_scale(state: Any) -> jax.Array:
