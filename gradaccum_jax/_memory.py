@@ -55,27 +55,37 @@ def unrolls_for(k: int) -> list[int]:
   return sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}, reverse=True)
 
 
+def largest_fitting(candidates: list[int], size: Callable[[int], int], budget: int) -> int | None:
+  """The largest of ``candidates`` (unrolls, ascending) whose ``size`` (a compile) is at most
+  ``budget``, or None. The last (unroll ``k``: no loop) and the first are compiled; between them
+  the peak grows with the unroll, so the search interpolates between a fit and a miss until they
+  are neighbours: few compiles (docs/choosing_k.md)."""
+  fit, miss = 0, len(candidates) - 1
+  if size(candidates[miss]) <= budget or size(candidates[0]) > budget:
+    return candidates[miss] if size(candidates[miss]) <= budget else None
+  while miss - fit > 1:
+    (u0, b0), (u1, b1) = ((candidates[i], size(candidates[i])) for i in (fit, miss))
+    line = (
+      i for i in range(fit + 1, miss) if b0 + (candidates[i] - u0) * (b1 - b0) / (u1 - u0) <= budget
+    )
+    guess = max(line, default=fit + 1)
+    fit, miss = (guess, miss) if size(candidates[guess]) <= budget else (fit, guess)
+  return candidates[fit]
+
+
 class AutoStep:
   """A jitted step with ``gather_params="auto"`` or ``unroll="auto"``: per signature of its
-  arguments (shapes, dtypes, shardings) every candidate compiles once: each gather policy
-  (``"once"`` preferred) and each unroll (1, 2, 4, ... up to ``k``, the largest preferred); the
-  first in that order whose compiled bytes (:func:`compiled_bytes`) fit the budget runs, else
-  the last. Without ``memory_budget_bytes``, ``unroll="auto"``'s budget is unroll 1's bytes
-  plus :data:`UNROLL_MARGIN`. ``chosen_gather_params(*args)``, ``chosen_unroll(*args)``,
-  ``gather_params_bytes(*args)`` and ``unroll_bytes(*args)`` tell which and why, running
-  nothing."""
+  arguments (shapes, dtypes, shardings), each gather policy (``"once"`` preferred) compiles at
+  unroll 1, and the first with an unroll whose compiled bytes (:func:`compiled_bytes`) fit the
+  budget runs at the largest (:func:`largest_fitting`), else the last at unroll 1. Without
+  ``memory_budget_bytes``, ``unroll="auto"``'s budget is unroll 1's bytes plus
+  :data:`UNROLL_MARGIN`. ``chosen_gather_params``, ``chosen_unroll``, ``gather_params_bytes``
+  and ``unroll_bytes`` (of the candidates compiled) tell which and why, running nothing."""
 
   def __init__(self, build: Callable[[Any, int], Any], gathers: tuple, unroll: Any, budget: Any):
     self._gathers, self._unroll, self.budget = gathers, unroll, budget
     self._step = functools.cache(lambda key: build(*key))  # one jitted step per (gather, unroll)
     self._chosen: dict[Any, tuple[tuple, dict[tuple, int], Any]] = {}
-
-  def _candidates(self, args: tuple[Any, ...]) -> list[tuple]:
-    """``(gather, unroll)`` in the order of preference."""
-    unrolls = [self._unroll]
-    if self._unroll == "auto":
-      unrolls = unrolls_for(self._step((self._gathers[0], 1)).num_microbatches(args))
-    return [(g, u) for g in self._gathers for u in unrolls]
 
   def _choose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict]:
     num_real = kwargs.get("num_real_microbatches")
@@ -85,14 +95,27 @@ class AutoStep:
     avals = [(jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves]
     key = treedef, tuple(avals)
     if key not in self._chosen:
-      candidates = self._candidates(args)
-      programs = {c: self._step(c).lower(*args, **kwargs).compile() for c in candidates}
+      programs, sizes = {}, {}
       what = "'auto' cannot compare the compiled candidates; pass gather_params and unroll"
-      sizes = {c: compiled_bytes(memory_analysis(c_, what)) for c, c_ in programs.items()}
-      budget = self.budget
-      if budget is None:  # unroll="auto" alone: a margin over unroll 1
-        budget = int(sizes[candidates[-1]] * (1 + UNROLL_MARGIN))
-      chosen = next((c for c in candidates if sizes[c] <= budget), candidates[-1])
+
+      def size(c: tuple) -> int:  # compiles candidate c once
+        if c not in sizes:
+          programs[c] = self._step(c).lower(*args, **kwargs).compile()
+          sizes[c] = compiled_bytes(memory_analysis(programs[c], what))
+        return sizes[c]
+
+      unrolls = [self._unroll]
+      if self._unroll == "auto":
+        unrolls = unrolls_for(self._step((self._gathers[0], 1)).num_microbatches(args))[::-1]
+      least = {g: size((g, unrolls[0])) for g in self._gathers}  # each policy at unroll 1
+      budget, chosen = self.budget, (self._gathers[-1], unrolls[0])
+      for g in self._gathers:
+        if self.budget is None:  # unroll="auto" alone: a margin over unroll 1
+          budget = int(least[g] * (1 + UNROLL_MARGIN))
+        u = largest_fitting(unrolls, lambda u, g=g: size((g, u)), budget)
+        if u is not None:
+          chosen = g, u
+          break
       self._chosen[key] = chosen, sizes, programs[chosen]
     return self._chosen[key], kwargs
 

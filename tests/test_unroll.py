@@ -168,7 +168,8 @@ def test_auto_takes_the_largest_unroll_within_the_budget():
   for budget, want in ((sizes[4], 4), (sizes[4] - 1, 2), (sizes[K] * 2, K), (sizes[1] - 1, 1)):
     step = ga.train_step(xent_loss, tx, unroll="auto", memory_budget_bytes=budget)
     assert step.chosen_unroll(*args) == want
-    assert step.unroll_bytes(*args) == sizes
+    compiled = step.unroll_bytes(*args)  # the candidates compiled: the chosen one among them
+    assert compiled.items() <= sizes.items() and want in compiled and 1 in compiled
     assert peak(step, *args) == sizes[want] and (want == 1 or sizes[want] <= budget)
     new = step(*args)[0]
     assert_trees_close(new, ga.train_step(xent_loss, tx)(*args)[0], rtol=1e-6, atol=1e-7)
@@ -177,6 +178,36 @@ def test_auto_takes_the_largest_unroll_within_the_budget():
   want = max(u for u in sizes if sizes[u] <= sizes[1] * 1.1)
   assert step.chosen_unroll(*args) == want
   assert ga.inspect_step(step, *args).unroll == want
+
+
+@pytest.mark.slow
+def test_auto_compiles_few_candidates_once_per_signature(monkeypatch):
+  """ "auto" compiles unroll 1 and k (no loop), then, as the peak grows with the unroll while a
+  loop remains, the candidates a line between a fit and a miss points to, until they are
+  neighbours: 3 compiles where unroll 2 is over the budget (1, k, 2), 2 where k fits, at most all
+  for a budget in between. A second call with the same shapes, and running the step, compile
+  nothing more."""
+  _, _, tx, args = wider()
+  sizes = {u: peak(ga.train_step(xent_loss, tx, unroll=u), *args) for u in (1, 2, 4, K)}
+  assert sizes[2] > sizes[1] * 1.1  # the default budget: unroll 1 alone fits
+  compiles = []
+  compile_ = jax.stages.Lowered.compile
+
+  def counted(self, *a, **kw):
+    compiles.append(self)
+    return compile_(self, *a, **kw)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+  for budget, want, count in ((None, 1, 3), (sizes[K], K, 2), (sizes[4], 4, 4)):
+    compiles.clear()
+    step = ga.train_step(xent_loss, tx, unroll="auto", memory_budget_bytes=budget)
+    assert step.chosen_unroll(*args) == want and len(compiles) == count, (
+      budget,
+      step.unroll_bytes(*args),
+    )
+    assert len(step.unroll_bytes(*args)) == count
+    jax.block_until_ready(step(*args))
+    assert step.chosen_unroll(*args) == want and len(compiles) == count  # nothing more compiled
 
 
 @pytest.mark.slow
