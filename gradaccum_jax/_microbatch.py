@@ -343,10 +343,14 @@ class Core:
     units = {"sums": SumsUnit(w, self.reducers, jax.tree.map(jnp.result_type, acc_init))}
     return units | ({"noise": NoiseUnit(w.weighted)} if self.noise_sums else {})
 
+  def registered(self) -> dict[str, Unit]:
+    """The units of :data:`UNITS` this core has, by name (a maker returns None for off)."""
+    made = (make(self) for make in UNITS)
+    return {u.name: u for u in made if u is not None}
+
   def held_units(self, acc_init: Any) -> dict[str, Unit]:
     """The units whose parts a streaming call's state holds: the sums and the registered ones."""
-    more = (make(self) for make in UNITS)
-    return self.summed_units(acc_init) | {u.name: u for u in more if u is not None}
+    return self.summed_units(acc_init) | self.registered()
 
   def units(self, model_state: Any, acc_init: Any, per_micro: Any = None) -> dict[str, Unit]:
     """Every unit of the window, by name (the sums reduce-scattered per micro-batch with
@@ -356,14 +360,12 @@ class Core:
       units["sums"] = per_micro.wrap(units["sums"])
     if self.config.loss.has_state:
       units["model_state"] = ModelStateUnit.make(model_state, *self.config.batchnorm)
-    more = (make(self) for make in UNITS)
-    return units | {u.name: u for u in more if u is not None}
+    return units | self.registered()
 
   def metrics(self, window: Window) -> dict[str, Any]:
-    """What the registered units (:data:`UNITS`) report of the closed window."""
-    units = (make(self) for make in UNITS)
+    """What the registered units report of the closed window."""
     return {
-      k: v for u in units if u is not None for k, v in u.metrics(window.parts[u.name]).items()
+      k: v for n, u in self.registered().items() for k, v in u.metrics(window.parts[n]).items()
     }
 
   def carried_because(self, params, acc_init, units, per_micro, loss) -> str | None:
