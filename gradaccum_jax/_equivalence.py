@@ -1,12 +1,13 @@
-"""Does accumulation equal the whole batch? ``check_equivalence`` asks it of a loss (its loss
-and gradient), ``check_step`` of a built step (its new params)."""
+"""Does accumulation equal the whole batch? ``check_equivalence`` asks it of a loss,
+``check_step`` of a built step: each compiles it and one reference (docs/verifying.md)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -26,21 +27,25 @@ def _wrap(text: str) -> str:
   return textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    ")
 
 
+def _flat(tree: Any, rows: int | None = None) -> np.ndarray:
+  """The leaves as one float64 vector, or ``(rows, n)`` for leaves stacked ``rows`` deep."""
+  shape = (-1,) if rows is None else (rows, -1)
+  parts = [np.asarray(x, np.float64).reshape(shape) for x in jax.tree.leaves(tree)]
+  return np.concatenate(parts, axis=-1) if parts else np.zeros(shape[:-1] + (0,))
+
+
 @dataclasses.dataclass(frozen=True)
 class EquivalenceReport:
   """The result of :func:`check_equivalence`; ``str(report)`` is a readable diagnosis.
 
   Attributes:
-    ok: ``loss_rel_error <= rtol and max_rel_grad_error <= rtol`` (the fact; ``cause`` is a hint).
-    num_microbatches, weighted, rtol: ``k``, whether a ``weight_fn`` was given, the tolerance.
-    loss_whole, loss_accumulated: the whole batch's loss and that of ``ga.value_and_grad``.
-    loss_rel_error: ``|loss_accumulated - loss_whole| / |loss_whole|``.
-    max_rel_grad_error: the largest ``|accumulated - whole|`` gradient entry over the largest
-      ``|whole|`` entry.
-    mean_of_means_loss, mean_of_means_error: the naive mean of the micro-batches' mean losses,
-      and the larger of its loss and gradient relative errors.
-    cause: ``None``, or ``"randomness"``, ``"weighting"``, ``"batch_dependence"``, ``"unknown"``.
-    reason: ``None`` when ``ok``, else the likely reason and what to pass.
+    ok: ``loss_rel_error <= rtol and max_rel_grad_error <= rtol``.
+    num_microbatches, weighted, rtol: ``k``, whether ``weight_fn`` was given, the tolerance.
+    loss_whole, loss_accumulated, loss_rel_error: the losses, ``|difference| / |loss_whole|``.
+    max_rel_grad_error: ``max |g_accumulated - g_whole| / max |g_whole|``.
+    mean_of_means_loss, mean_of_means_error: the micro-batches' mean loss, its larger error.
+    cause, reason: None when ``ok``, else ``"randomness"``, ``"weighting"``,
+      ``"batch_dependence"`` or ``"unknown"``, and what to pass.
     fitted_weights: the micro-batch weights (summing to 1) that best rebuild the whole batch.
   """
 
@@ -97,30 +102,22 @@ def check_equivalence(
 ) -> EquivalenceReport:
   r"""Checks that accumulating ``loss_fn`` over micro-batches gives the whole batch's loss and gradient.
 
-  Compares ``ga.value_and_grad(loss_fn, k, ...)`` with ``jax.value_and_grad(loss_fn)`` on the
-  whole batch. Accumulation is exact when ``loss_fn`` is a weighted mean over rows that do not
-  interact, :math:`L(B) = \sum_{r \in B} \ell_r / \sum_{r \in B} n_r` with ``weight_fn(mb)``
-  :math:`= \sum_{r \in mb} n_r`. Otherwise the report names a likely cause and what to pass (the
-  causes, how they are told apart and the cost: docs/semantics.md). Use a small batch.
+  Exact for :math:`L(B) = \sum_{r \in B} \ell_r / \sum_{r \in B} n_r` with ``weight_fn(mb)``
+  :math:`= \sum_{r \in mb} n_r`; else the report says why (docs/semantics.md). Use a small batch.
 
   Args:
-    loss_fn: ``loss_fn(params, batch)``, the scalar mean loss over its (micro-)batch, or
-      ``(loss, aux)`` with ``has_aux``; ``loss_fn(params, batch, rng)`` when ``rng`` is given.
+    loss_fn: ``loss_fn(params, batch[, rng]) -> loss`` (``(loss, aux)`` with ``has_aux``).
     params: the parameters (a pytree of float arrays).
     batch: a pytree of arrays sharing a leading batch axis ``B``.
     num_microbatches: ``k``, a positive int dividing ``B`` (``D * k`` on ``D`` data devices).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux is not compared.
-    weight_fn: the ``weight_fn(microbatch) -> scalar`` you pass to the accumulation, or ``None``.
+    weight_fn: the ``weight_fn(microbatch) -> scalar`` you pass to the accumulation, or None.
     rtol: the tolerance, relative to the whole-batch loss and to its gradient's largest entry.
     mesh, data_axis: as in :func:`value_and_grad`; the reference stays one device's whole batch.
-    rng: a PRNG key for the whole batch; micro-batch ``i`` gets ``jax.random.fold_in(rng, i)``.
+    rng: a key for the whole batch; micro-batch ``i`` gets ``jax.random.fold_in(rng, i)``.
 
   Returns:
     An :class:`EquivalenceReport`; print it for the diagnosis.
-
-  Raises:
-    TypeError: a ``loss_fn`` that is not callable, a ``num_microbatches`` or ``rtol`` not a number.
-    ValueError: ``num_microbatches`` or ``rtol`` ``<= 0``, a malformed batch or mesh, ``B % k``.
 
   Examples:
     >>> import jax.numpy as jnp, gradaccum_jax as ga
@@ -141,40 +138,37 @@ def check_equivalence(
   if not check_real(rtol, "rtol must be a positive float") > 0:
     raise ValueError(f"rtol must be positive, got {rtol=}.")
   check_batch(batch, k)
-  vg = jax.jit(jax.value_and_grad(loss_fn, has_aux=bool(has_aux)))
-
-  def split(out):  # (loss as a float, grads), without aux
-    return float(out[0][0] if has_aux else out[0]), out[1]
-
   extra = () if rng is None else (rng,)
-  keys = [() if rng is None else (jax.random.fold_in(rng, i),) for i in range(k)]
-  loss_acc, g_acc = split(jax.jit(acc_fn)(params, batch, *extra))
-  if mesh is not None:  # the reference is the single-device whole batch, via the host
-    params, batch, g_acc = jax.device_put(_host((params, batch, g_acc)), jax.devices()[0])
-  loss_whole, g_whole = split(vg(params, batch, *extra))
-  mbs = [microbatch(batch, i, k) for i in range(k)]  # in ga's order: rows i, i + k, ...
-  micro = [split(vg(params, mb, *key)) for mb, key in zip(mbs, keys, strict=True)]
-  losses, grads = zip(*micro, strict=True)
-  scale = max(float(max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(g_whole))), 1e-30)
-  loss_err, grad_err = _rel_errors(loss_acc, g_acc, loss_whole, g_whole, scale)
-  g_mean, mom_loss = jax.tree.map(lambda *g: sum(g) / k, *grads), float(np.mean(losses))
-  mom_err = max(_rel_errors(mom_loss, g_mean, loss_whole, g_whole, scale))
+  out, g_acc = jax.jit(acc_fn)(params, batch, *extra)
+  loss_acc, g_acc = float(_loss(out, has_aux)), _flat(g_acc)
+  params, batch = _host((params, batch))  # the reference: one device's whole batch
+  loss_whole, g_whole, losses, grads, used = _per_microbatch(
+    loss_fn, has_aux, weight_fn, k, params, batch, rng
+  )
+  scale = max(float(np.max(np.abs(g_whole), initial=0.0)), 1e-30)
+
+  def errors(loss, g):  # the loss's relative error, and the gradient's over ``scale``
+    err = abs(loss - loss_whole) / max(abs(loss_whole), 1e-30)
+    return err, float(np.max(np.abs(g - g_whole), initial=0.0)) / scale
+
+  loss_err, grad_err = errors(loss_acc, g_acc)
+  mom_loss = float(np.mean(losses[:k]))
   ok = bool(loss_err <= rtol and grad_err <= rtol)  # False for a NaN or an Inf
   report = EquivalenceReport(
     ok, k, weight_fn is not None, float(rtol), loss_whole, loss_acc, loss_err, grad_err,
-    mom_loss, mom_err,
+    mom_loss, max(errors(mom_loss, grads[:k].mean(0))),
   )  # fmt: skip
   if ok:
     return report
+  mbs = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]  # ga's order
   if rng is not None:  # micro-batch 0 again, with another key
-    again = split(vg(params, mbs[0], jax.random.fold_in(rng, k)))[0]
-    random = abs(again - losses[0]) > rtol * max(abs(losses[0]), 1e-30)
+    random = abs(losses[k] - losses[0]) > rtol * max(abs(losses[0]), 1e-30)
   else:
     random = _traces_differ(loss_fn, params, mbs[0])
   if random:
     return dataclasses.replace(report, cause="randomness", reason=_RANDOM)
-  fit = _fit_weights(losses, grads, loss_whole, g_whole, scale, max(rtol, 1e-4))
-  cause, reason = _diagnose(fit, mbs, weight_fn, mesh, k)
+  fit = _fit_weights(losses[:k], grads[:k], loss_whole, g_whole, scale, max(rtol, 1e-4))
+  cause, reason = _diagnose(fit, mbs, None if weight_fn is None else used, mesh, k)
   weights = tuple(map(float, fit)) if isinstance(fit, np.ndarray) else None
   return dataclasses.replace(report, cause=cause, reason=reason, fitted_weights=weights)
 
@@ -186,13 +180,27 @@ _RANDOM = (
 )
 
 
-def _rel_errors(loss, grads, loss_whole, g_whole, scale) -> tuple[float, float]:
-  """The loss's relative error, and the gradient's: its largest absolute error over ``scale``."""
-  diffs = jax.tree.map(
-    lambda x, y: jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))), grads, g_whole
-  )
-  loss_err = abs(loss - loss_whole) / max(abs(loss_whole), 1e-30)
-  return loss_err, float(max(jax.tree.leaves(diffs), default=0.0)) / scale
+def _per_microbatch(loss_fn, has_aux, weight_fn, k, params, batch, rng) -> tuple:
+  """One program: the whole batch's loss and gradient, each micro-batch's (micro-batch 0's again
+  with the key ``fold_in(rng, k)``) and weight; on the host, in float64."""
+  vg = jax.value_and_grad(lambda p, b, *key: _loss(loss_fn(p, b, *key), has_aux))
+
+  @jax.jit
+  def run(p, b, key):
+    def one(i):
+      mb = microbatch(b, i % k, k)
+      w = 1.0 if weight_fn is None else weight_fn(mb)
+      w = jnp.nan if isinstance(w, Mapping) else jnp.asarray(w, jnp.float32)  # per term: unused
+      return *vg(p, mb, *(jax.random.fold_in(x, i) for x in key)), w
+
+    return vg(p, b, *key), jax.lax.map(one, jnp.arange(k + len(key)))
+
+  (loss, g), (losses, grads, w) = run(params, batch, () if rng is None else (rng,))
+  return float(loss), _flat(g), np.asarray(losses, np.float64), _flat(grads, len(losses)), w[:k]
+
+
+def _loss(out: Any, has_aux: bool) -> Any:
+  return out[0] if has_aux else out
 
 
 def _traces_differ(loss_fn: Callable[..., Any], params: Any, mb: Any) -> bool:
@@ -204,22 +212,17 @@ def _traces_differ(loss_fn: Callable[..., Any], params: Any, mb: Any) -> bool:
 
 
 def _fit_weights(losses, grads, loss_whole, g_whole, scale, tol) -> Any:
-  """Least-squares weights ``w`` (summing to 1) with ``sum_i w_i (L_i, g_i) = (L, g)``; None if
-  none fits within ``tol`` or one is below ``-tol``; False for too few gradient coordinates."""
-  k, size = len(losses), sum(int(np.size(g)) for g in jax.tree.leaves(g_whole))
-  if size + 1 < 2 * k:
+  """Least-squares ``w`` (summing to 1) with ``sum_i w_i (L_i, g_i) = (L, g)``; None if none
+  fits within ``tol`` or one is below ``-tol``; False for too few gradient coordinates."""
+  k = len(losses)
+  if g_whole.size + 1 < 2 * k:
     return False  # as many unknowns as equations: any data fits
-  index = None
-  if size > _MAX_FIT_COORDS:  # a fixed random subset, the same for every gradient
-    index = np.sort(np.random.default_rng(0).choice(size, _MAX_FIT_COORDS, replace=False))
-
-  def column(loss, g):
-    v = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(g)])
-    v = np.asarray(v if index is None else v[index], np.float64) / scale
-    return np.concatenate([[loss / max(abs(loss_whole), 1e-30)], v, [1e3]])
-
-  a = np.stack([column(loss, g) for loss, g in zip(losses, grads, strict=True)], axis=1)
-  target = column(loss_whole, g_whole)
+  if g_whole.size > _MAX_FIT_COORDS:  # a fixed random subset, the same for every gradient
+    index = np.sort(np.random.default_rng(0).choice(g_whole.size, _MAX_FIT_COORDS, replace=False))
+    grads, g_whole = grads[:, index], g_whole[index]
+  top = max(abs(loss_whole), 1e-30)
+  a = np.vstack([losses / top, grads.T / scale, np.full(k, 1e3)])
+  target = np.concatenate([[loss_whole / top], g_whole / scale, [1e3]])
   w, *_ = np.linalg.lstsq(a, target, rcond=None)
   return None if np.max(np.abs(a @ w - target)) > tol or np.min(w) < -tol else w
 
@@ -246,8 +249,8 @@ def _suggest_weight_fn(mbs: list[Any], fit: np.ndarray, tol: float) -> str | Non
   return None
 
 
-def _diagnose(fit, mbs, weight_fn, mesh, k) -> tuple[str, str]:
-  """(cause, reason) from the weight fit and the relative weights used."""
+def _diagnose(fit, mbs, used, mesh, k) -> tuple[str, str]:
+  """(cause, reason) from the weight fit and ``weight_fn``'s weights ``used`` (None: equal)."""
   if fit is False:
     return "unknown", (
       f"the model has too few parameters to tell the causes apart (fewer than 2 k = {2 * k}"
@@ -261,8 +264,8 @@ def _diagnose(fit, mbs, weight_fn, mesh, k) -> tuple[str, str]:
       " Accumulation cannot match that. Use LayerNorm or GroupNorm, check in eval mode (running"
       " statistics), or accept ghost batch norm (ga.train_step's batchnorm=, per micro-batch)."
     )
-  tol, used = 1e-3, np.array([1.0 if weight_fn is None else float(weight_fn(mb)) for mb in mbs])
-  if np.max(np.abs(fit - used / max(used.sum(), 1e-30))) <= tol:
+  tol, weights = 1e-3, np.ones(k) if used is None else np.asarray(used, np.float64)
+  if np.max(np.abs(fit - weights / max(weights.sum(), 1e-30))) <= tol:
     where = " on the mesh (check mesh and data_axis, and the batch layout)" if mesh else ""
     return "unknown", (
       "the micro-batches add up to the whole batch with the weights used, yet the accumulated"
@@ -274,7 +277,7 @@ def _diagnose(fit, mbs, weight_fn, mesh, k) -> tuple[str, str]:
   start = (
     "weight_fn's weights are not proportional to the number of items loss_fn averages over in"
     " each micro-batch."
-    if weight_fn is not None
+    if used is not None
     else "loss_fn averages over a number of items (tokens, unmasked positions) that differs"
     " between micro-batches, and an unweighted accumulation (a mean of micro-batch means)"
     " weighs every micro-batch equally."
@@ -287,20 +290,15 @@ class StepCheck:
   """The result of :func:`check_step`; ``str(check)`` is a table of the leaves.
 
   Attributes:
-    ok: the step's gradient read and within ``rtol``, and every update entry within ``rtol *
-      scale`` or within what ``inner_tx`` makes of a gradient within ``rtol``; never with the
-      gradient unread (``verdict`` is then ``"not verified"``).
-    rtol: the tolerance used.
-    scale: the largest entry of the reference update ``|p_ref - p|``.
-    max_abs: ``{leaf path: max |p_step - p_ref|}``.
-    max_rel: ``{leaf path: max_abs / scale}``, the update's relative error.
-    grad_rel: ``{leaf path: largest error of the step's gradient}`` over the largest entry of
-      the whole batch's, as read from ``compared``; empty if it could not be read.
+    ok: the gradient read and within ``rtol``, each update entry within ``rtol * scale`` or what
+      ``inner_tx`` makes of a gradient within ``rtol``.
+    rtol, scale: the tolerance, and the largest entry of the reference update ``|p_ref - p|``.
+    max_abs, max_rel: ``{leaf path: max |p_step - p_ref|}``, and that over ``scale``.
+    grad_rel: ``{leaf path: gradient error / max |g|}`` as read from ``compared`` (or empty).
     grad_norm_rel: ``|grad_norm / |g| - 1|`` for a step that reports ``metrics["grad_norm"]``.
     max_rel_grad_error: the largest of ``grad_rel`` and ``grad_norm_rel``, or None.
     compared: where the step's gradient was read from.
-    optimizer_noise: leaves whose update differs by more than ``rtol * scale`` but no more than
-      ``inner_tx`` moves for a gradient within ``rtol`` (Adam, where the gradient is about 0).
+    optimizer_noise: leaves off by more than ``rtol * scale``, within what ``inner_tx`` moves.
     reason: None when ``ok``, else what differs and what to check.
   """
 
@@ -353,7 +351,8 @@ class StepCheck:
 _NOISE = (
   "~ optimizer noise: the update differs where the gradient is within rtol of 0, by no more"
   " than inner_tx moves for a gradient within rtol of the whole batch's (Adam moves such entries"
-  " by about its learning rate, whatever their size): judged by the gradient."
+  " by about its learning rate, whatever their size), or by a rounding of the params (an update"
+  " near their float resolution): judged by the gradient."
 )
 _ZERO_UPDATE = (
   "the reference update is 0 on every entry (a learning rate of 0 at this step, as at the start"
@@ -385,35 +384,23 @@ def check_step(
   params: Any, opt_state: Any, batch: Any = None, *, has_aux: bool = False,
   inner_state: Any = None, rtol: float = 1e-4,
 ) -> StepCheck:  # fmt: skip
-  """Runs one window of a built step on copies of its arguments and compares its gradient and
-  new params with the single-device whole batch's, through the same inner optimizer.
+  """Runs one window of a built step on copies of its arguments and compares it with the whole batch.
 
-  The reference is ``g = jax.grad(loss_fn)(p, batch)`` and ``p + inner_tx.update(g, s, p)``.
-  The step's gradient is read from its inner optimizer's new state (Adam's moments), from an
-  update proportional to it (SGD) and from ``metrics["grad_norm"]``; an update entry may differ
-  by what ``inner_tx`` makes of a gradient within ``rtol`` (docs/verifying.md).
+  The reference is ``p + inner_tx.update(g, s, p)``, ``g = jax.grad(loss_fn)(p, batch)`` on one
+  device; the step's gradient is read from its optimizer's state, its update or
+  ``metrics["grad_norm"]`` (docs/verifying.md).
 
   Args:
-    step: the step as you train with it: ``step(params, opt_state, batch)`` returning
-      ``(new_params, opt_state, ...)`` (``ga.train_step`` or your own), a ``ga.linen_train_step``
-      (``step(train_state, batch)``), a ``ga.nnx_train_step`` (``step(model, optimizer,
-      batch)``), or a ``ga.micro_step``, called here on the ``k`` micro-batches of ``batch``.
-    loss_fn: the whole batch's mean loss, ``loss_fn(params, batch)`` (NNX: ``loss_fn(model,
-      batch)``, the step's), ``(loss, aux)`` with ``has_aux``; deterministic.
+    step: ``step(params, opt_state, batch) -> (new_params, opt_state, ...)``, or a ga step.
+    loss_fn: the deterministic mean loss ``loss_fn(params, batch)`` (NNX: ``(model, batch)``).
     inner_tx: the optimizer the step applies (the one inside ``ga.accumulate``).
-    params, opt_state, batch: the step's arguments, copied: ``(params, opt_state, batch)``,
-      ``(train_state, batch)`` or ``(model, optimizer, batch)``.
+    params, opt_state, batch: the step's arguments as you pass them, copied (docs/verifying.md).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    inner_state: the reference's optimizer state; default: the step's where it is ``inner_tx``'s
-      (``opt_state.inner_state`` of a ``ga`` state), else ``inner_tx.init(params)``.
+    inner_state: the reference's optimizer state (default: the step's, or ``inner_tx.init``).
     rtol: the tolerance of ``ok``.
 
   Returns:
     A :class:`StepCheck`; print it for the gradient and the leaves.
-
-  Raises:
-    TypeError, ValueError: for a bad argument, a state inside a window, or new params unlike
-      ``params``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, gradaccum_jax as ga
@@ -438,9 +425,9 @@ def check_step(
     raise ValueError(f"rtol must be a positive float, got {rtol!r}.")
   window = _run_window(step, loss_fn, params, opt_state, batch)
   like = jax.eval_shape(inner_tx.init, window.params)
-  if inner_state is None:  # the step's where it has inner_tx's structure
+  if inner_state is None:  # the step's, where it is inner_tx's; else inner_tx.init's
     found = _inner_of(window.state, like, window.params)
-    inner_state = found[1] if found is not None and found[0] == 0 else inner_tx.init(window.params)
+    inner_state = found[1] if found is not None and found[0] == 0 else None
   ref = _whole_batch(window, inner_tx, has_aux, inner_state, float(rtol))
   if jax.tree.structure(window.new_params) != jax.tree.structure(ref.params):
     raise ValueError(
@@ -451,9 +438,8 @@ def check_step(
 
 
 class CheckWindow(NamedTuple):
-  """One window of a step, on host copies: what :func:`check_step` compares. A front end's step
-  says how it runs one: ``step.check_window(step, loss_fn, a, b, c)`` (``check_step``'s
-  arguments after ``inner_tx``) returns it; others run as ``step(params, opt_state, batch)``."""
+  """One window of a step, on host copies, as :func:`check_step` compares it; a front end's step
+  returns it from ``step.check_window(step, loss_fn, a, b, c)`` (``check_step``'s arguments)."""
 
   params: Any  # the trained params before it
   batch: Any
@@ -465,8 +451,7 @@ class CheckWindow(NamedTuple):
 
   @classmethod
   def after(cls, host: tuple, loss_fn: Any, new: Any, new_state: Any, metrics: Any) -> CheckWindow:
-    """The window from ``host`` (:func:`host_arguments`, taken before the step ran) and what the
-    step returned."""
+    """The window from ``host`` (:func:`host_arguments`) and what the step returned."""
     return cls(host[0], host[2], loss_fn, _host(new), host[1], _host(new_state), metrics)
 
 
@@ -480,8 +465,8 @@ HOW = (
 
 
 def _run_window(step, loss_fn, params, opt_state, batch) -> CheckWindow:
-  """Runs one window of ``step`` on copies of its arguments, as the step says, or as a plain
-  ``step(params, opt_state, batch) -> (new_params, new_state, ...)``."""
+  """One window of ``step`` on copies, as the step says, else as ``step(params, opt_state,
+  batch) -> (new_params, new_state, ...)``."""
   custom = getattr(step, "check_window", None)
   if custom is not None:
     return custom(step, loss_fn, params, opt_state, batch)
@@ -505,7 +490,12 @@ def call_copied(step, *args, copy=True):
 
 
 def copies(tree):
-  return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+  """New buffers for the arrays of ``tree`` (transferred: no copy is compiled)."""
+
+  def new(x):
+    return jax.device_put(x, may_alias=False) if isinstance(x, jax.Array) else x
+
+  return jax.tree.map(new, tree)
 
 
 def _host(tree):
@@ -513,7 +503,7 @@ def _host(tree):
 
   def host(x):
     key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    return x.copy() if key else np.asarray(x)
+    return copies(x) if key else np.asarray(x)
 
   return jax.tree.map(host, tree)
 
@@ -548,11 +538,8 @@ def _subtrees(tree: Any) -> list[Any]:
 
 
 def _inner_of(state, like, params) -> tuple[int, Any] | None:
-  """``(i, s)``: ``s`` the first subtree of ``state`` shaped as ``like``'s ``i``-th subtree (in
-  :func:`_subtrees`' order; 0: inner_tx's whole state), the largest that one fits: a ``ga``
-  state's ``inner_state``, ``optax.MultiSteps``' ``inner_opt_state``, a wrapper's inner state,
-  or the part of ``inner_tx``'s state that another state keeps (Adam's, beside a clip's); None
-  if none fits. A subtree shaped as the params alone (an accumulator) is not looked for."""
+  """``(i, s)``: ``s`` the subtree of ``state`` shaped as ``like``'s ``i``-th, the largest that
+  fits (Adam's state beside a clip's), never one shaped as the params (an accumulator); or None."""
   ga = _ga_state(state)
   mine = _subtrees(state if ga is None else ga.inner_state)
   plain = jax.tree.structure(params)
@@ -579,48 +566,40 @@ class _Reference(NamedTuple):
 
 
 def _whole_batch(window: CheckWindow, inner_tx, has_aux, inner_state, rtol) -> _Reference:
-  """The whole batch's gradient, and ``inner_tx``'s update and state at it (``value=`` and
-  ``grad=`` passed as ``ga`` passes them); its updates at ``g ± rtol max|g| r`` (random signs
-  ``r``: what it makes of a gradient within ``rtol``), at ``2 g`` and ``g / 2`` (is it ``c g``?),
-  and its states at ``-g`` and ``0`` (which of their trees are odd in ``g``)."""
+  """One program: ``g`` and ``inner_tx``'s update and state at it, at ``g ± rtol max|g| r``
+  (random signs ``r``), ``2 g`` and ``g / 2`` (updates), and at ``-g`` and 0 (states)."""
   tx = optax.with_extra_args_support(inner_tx)
-  p, s, b = jax.device_put((window.params, inner_state, window.batch), jax.devices()[0])
-
-  def update(g, loss, p, s):
-    return tx.update(g, s, p, value=loss, grad=g)
-
-  @jax.jit
-  def reference(p, s, b):
-    out, g = jax.value_and_grad(window.loss_fn, has_aux=has_aux)(p, b)
-    loss = out[0] if has_aux else out
-    updates, new_s = update(g, loss, p, s)
-    return g, loss, optax.apply_updates(p, updates), updates, new_s
-
-  g, loss, new_p, updates, new_s = reference(p, s, b)
-  eps = rtol * max((float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)), default=0.0)
   rng = np.random.default_rng(0)
-  signs = jax.tree.map(lambda x: np.where(rng.random(x.shape) < 0.5, -1, 1).astype(x.dtype), g)
+  signs = jax.tree.map(
+    lambda x: np.where(rng.random(np.shape(x)) < 0.5, -1, 1).astype(np.result_type(x)),
+    window.params,
+  )
 
   @jax.jit
-  def around(g, signs, loss, p, s):
+  def reference(p, s, b, signs):
+    s = tx.init(p) if s is None else s
+    loss, g = jax.value_and_grad(lambda p: _loss(window.loss_fn(p, b), has_aux))(p)
+    top = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in jax.tree.leaves(g)]
+    eps = rtol * functools.reduce(jnp.maximum, top, jnp.float32(0))
+
     def at(scale, shift):
-      return update(jax.tree.map(lambda x, r: scale * x + shift * r, g, signs), loss, p, s)
+      h = jax.tree.map(lambda x, r: scale * x + (shift * r).astype(x.dtype), g, signs)
+      return tx.update(h, s, p, value=loss, grad=h)
 
-    return at(1, eps)[0], at(1, -eps)[0], at(2, 0)[0], at(0.5, 0)[0], at(-1, 0)[1], at(0, 0)[1]
+    (u, new_s), up, down = at(1, 0), at(1, eps)[0], at(1, -eps)[0]
+    moved = jax.tree.map(lambda u, a, b: jnp.maximum(abs(a - u), abs(b - u)), u, up, down)
+    new_p = optax.apply_updates(p, u)
+    return g, new_p, (new_s, at(-1, 0)[1], at(0, 0)[1]), moved, u, at(2, 0)[0], at(0.5, 0)[0]
 
-  up, down, double, half, flipped, zero = around(g, signs, loss, p, s)
-  moved = jax.tree.map(
-    lambda u, a, b: jnp.maximum(jnp.abs(a - u), jnp.abs(b - u)), updates, up, down
-  )
-  factor = _factor(*_host((g, updates, double, half)))
-  return _Reference(*_host((g, new_p, (new_s, flipped, zero), moved)), factor)
+  args = jax.device_put((window.params, inner_state, window.batch), jax.devices()[0])
+  g, new_p, states, moved, *updates = _host(reference(*args, signs))
+  return _Reference(g, new_p, states, moved, _factor(g, *updates))
 
 
 def _factor(grads, updates, double, half) -> float | None:
   """``c`` if ``updates = c * grads``, ``c != 0``, and doubling or halving the gradient does
   the same to the update (no clipping, no normalization), else None."""
-  g, u, u2, uh = (np.concatenate([np.ravel(x).astype(np.float64) for x in jax.tree.leaves(t)])
-                  for t in (grads, updates, double, half))  # fmt: skip
+  g, u, u2, uh = map(_flat, (grads, updates, double, half))
   top, norm = np.max(np.abs(u), initial=0.0), float(g @ g)
   if not (top > 0 and norm > 0):
     return None
@@ -637,11 +616,8 @@ def _error(a, b) -> float:
 
 
 def _from_state(params, states, mine) -> tuple[dict[str, float], list[str]]:
-  """The gradient's relative error per params leaf, read from the inner optimizer's new state
-  ``mine``: each float leaf whose path ends in a params leaf's path and has its shape (Adam's
-  ``mu`` and ``nu``, under any wrapper), the step's against the reference's ``T(g)``, over the
-  largest entry of the gradient's part ``T(g) - T(0)`` of its tree. Trees odd in ``g`` (``mu``,
-  whose error is the gradient's) are read, else the others (``nu``)."""
+  """The gradient's error per params leaf in the step's new inner state ``mine`` against ``T(g)``
+  over ``max |T(g) - T(0)|``, from the trees odd in ``g`` (Adam's ``mu``), else the rest."""
   if mine is None:
     return {}, []
   index, mine = mine
@@ -684,20 +660,23 @@ def _judge(window: CheckWindow, ref: _Reference, rtol: float, mine: Any) -> Step
   diffs = [np.abs(np.float64(a) - b) for a, b in zip(new, target, strict=True)]
   max_abs = {p: float(np.max(d, initial=0.0)) for p, d in zip(paths, diffs, strict=True)}
   max_rel = {p: a / scale if scale > 0 else (0.0 if a == 0 else np.inf) for p, a in max_abs.items()}
-  bound = [np.maximum(rtol * scale, m) for m in jax.tree.leaves(ref.moved)]
+  # Allowed: rtol of the update, what inner_tx makes of a gradient within rtol, a rounding of p.
+  eps = [jnp.finfo(a.dtype).eps if jnp.issubdtype(a.dtype, jnp.inexact) else 0 for a in new]
+  moved = zip(jax.tree.leaves(ref.moved), eps, target, strict=True)
+  bound = [np.maximum(rtol * scale, np.maximum(m, e * np.abs(np.float64(t)))) for m, e, t in moved]
   within = {p: bool(np.all(d <= m)) for p, d, m in zip(paths, diffs, bound, strict=True)}
   noise = tuple(p for p in paths if within[p] and not max_rel[p] <= rtol)
 
   grad_rel, read = _from_state(window.params, ref.states, mine)
   compared = [f"the inner optimizer's new state ({', '.join(read)})"] if read else []
   if not grad_rel and ref.factor is not None:  # the update is c * g: its error is g's
-    top = max(float(np.max(np.abs(g), initial=0.0)) for g in jax.tree.leaves(ref.grads))
+    top = float(np.max(np.abs(_flat(ref.grads)), initial=0.0))
     grad_rel = {p: a / (abs(ref.factor) * top) for p, a in max_abs.items()}
     compared.append(f"the update ({ref.factor:.3g} times the gradient for inner_tx)")
   norm = None  # |grad_norm / |g| - 1| where the step reports metrics["grad_norm"]
   if isinstance(window.metrics, dict) and "grad_norm" in window.metrics:
     reported = float(np.asarray(window.metrics["grad_norm"]))
-    whole = float(np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in jax.tree.leaves(ref.grads))))
+    whole = float(np.linalg.norm(_flat(ref.grads)))
     norm = abs(reported - whole) / whole if whole > 0 else (0.0 if reported == 0 else np.inf)
     norm = norm if np.isfinite(norm) else np.inf
     compared.append("metrics['grad_norm']")

@@ -324,6 +324,33 @@ def scaled(loss_fn, factor):
 
 
 @pytest.mark.slow
+def test_check_step_allows_a_rounding_of_the_params_below_rtol_of_a_small_update():
+  """Adam at lr 1e-5 on params near 1: rtol of the update (1e-9) is below float32's resolution of
+  the params (1.2e-7). A step whose update differs from the reference's by 5e-5 of it (another
+  fusion or summation order) rounds some new params the other way, one ulp apart: not a
+  difference (the gradient is still read from Adam's moments), where twice the update is."""
+  n, inner = 4096, optax.adam(1e-5)
+  params = {"w": jnp.linspace(0.5, 1.0, n)}
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.standard_normal((16, n)).astype(np.float32), "y": np.ones(16, np.float32)}
+
+  def loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] / n - b["y"]) ** 2)
+
+  def step_off_by(factor):
+    @jax.jit
+    def step(p, s, b):
+      u, s = inner.update(jax.grad(loss)(p, b), s, p)
+      return jax.tree.map(lambda p, u: p + u * factor, p, u), s
+
+    return ga.check_step(step, loss, inner, params, inner.init(params), batch)
+
+  rounded = step_off_by(1 + 5e-5)
+  assert rounded.ok and max(rounded.max_abs.values()) > rounded.rtol * rounded.scale, str(rounded)
+  assert not step_off_by(2.0).ok
+
+
+@pytest.mark.slow
 def test_check_step_has_no_false_alarm_for_adam_on_a_zero_gradient_leaf():
   g = jax.grad(shifted_xent)(SHIFTED, CLS_BATCH)
   assert abs(float(g["shift"][0])) <= 1e-6 * float(jnp.max(jnp.abs(g["w2"])))  # 0, rounded
