@@ -5,6 +5,8 @@ activations: MLP 256 -> 2048 -> 2048 -> 10 on a batch of 1024 (a micro-batch of 
 holds two 8 MiB hidden activations). Nothing is executed: every program is only compiled.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -93,14 +95,16 @@ def tiny_loss(w, batch):
   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
 
 
-TINY_BATCH = {"x": jnp.ones((6, 3)), "y": jnp.ones(6)}
+@functools.cache
+def tiny_batch():
+  return {"x": jnp.ones((6, 3)), "y": jnp.ones(6)}
 
 
 @pytest.mark.slow
 def test_budget_too_small_names_the_bytes():
-  one_example = ga.step_memory(tiny_loss, jnp.zeros(3), TINY_BATCH, 6)
+  one_example = ga.step_memory(tiny_loss, jnp.zeros(3), tiny_batch(), 6)
   with pytest.raises(ValueError, match=rf"k = B = 6\) needs {one_example} bytes.*=100\b"):
-    ga.auto_microbatch(tiny_loss, jnp.zeros(3), TINY_BATCH, memory_budget_bytes=100)
+    ga.auto_microbatch(tiny_loss, jnp.zeros(3), tiny_batch(), memory_budget_bytes=100)
 
 
 @pytest.mark.slow
@@ -119,14 +123,14 @@ def test_result_is_a_divisor_not_only_a_power_of_two():
 def test_errors():
   if jax.devices()[0].memory_stats() is None:  # CPU: no default budget
     with pytest.raises(ValueError, match=r"memory_budget_bytes="):
-      ga.auto_microbatch(tiny_loss, jnp.zeros(3), TINY_BATCH)
+      ga.auto_microbatch(tiny_loss, jnp.zeros(3), tiny_batch())
   with pytest.raises(ValueError, match=r"memory_budget_bytes=0 must be > 0"):
-    ga.auto_microbatch(tiny_loss, jnp.zeros(3), TINY_BATCH, memory_budget_bytes=0)
+    ga.auto_microbatch(tiny_loss, jnp.zeros(3), tiny_batch(), memory_budget_bytes=0)
   with pytest.raises(TypeError, match=r"memory_budget_bytes='1GB' must be a number"):
-    ga.auto_microbatch(tiny_loss, jnp.zeros(3), TINY_BATCH, memory_budget_bytes="1GB")
+    ga.auto_microbatch(tiny_loss, jnp.zeros(3), tiny_batch(), memory_budget_bytes="1GB")
   with pytest.raises(TypeError, match=r"already a ga.accumulate"):
-    ga.step_memory(tiny_loss, jnp.zeros(3), TINY_BATCH, 2, ga.accumulate(optax.sgd(0.1), 2))
+    ga.step_memory(tiny_loss, jnp.zeros(3), tiny_batch(), 2, ga.accumulate(optax.sgd(0.1), 2))
   with pytest.raises(ValueError, match=r"not divisible by num_microbatches k=4"):
-    ga.step_memory(tiny_loss, jnp.zeros(3), TINY_BATCH, 4)
+    ga.step_memory(tiny_loss, jnp.zeros(3), tiny_batch(), 4)
   with pytest.raises(ValueError, match=r"num_microbatches=0 must be a positive int"):
-    ga.step_memory(tiny_loss, jnp.zeros(3), TINY_BATCH, 0)
+    ga.step_memory(tiny_loss, jnp.zeros(3), tiny_batch(), 0)

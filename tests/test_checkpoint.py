@@ -189,9 +189,10 @@ def test_a_mesh_checkpoint_restores_onto_a_fresh_state_mid_window(layout, checkp
   inner optimizer's count replicated), so the standard Orbax recipe, restoring onto the shapes
   and shardings of a fresh tx.init(params), works (before: "incompatible devices") and gives
   the saved state bit for bit, mid-window; the window then closes as it would have."""
+  from helpers import mesh_1d, put  # noqa: PLC0415
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  from test_sharding import FSDP, SIZES, mesh_1d, put  # noqa: PLC0415
+  from test_sharding import FSDP, SIZES  # noqa: PLC0415
 
   mesh = mesh_1d()
   params = put(init_mlp(jax.random.key(0), SIZES), mesh, P() if layout == "replicated" else FSDP)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import assert_trees_close, make_batch
+from helpers import assert_trees_close, make_batch, mesh_1d
 
 import gradaccum_jax as ga
 
@@ -146,12 +146,12 @@ def test_streaming_with_filter_grad_and_filter_jit_matches_big_batch_adam():
 @pytest.mark.slow
 def test_data_parallel_on_a_mesh_matches_big_batch_adam():
   """The filtered params (with None holes) on 8 devices: replicated, then FSDP param_specs."""
-  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   model, data = make_model(), [make_batch(jax.random.key(s), 8 * K) for s in (3, 4)]
   ref_params, ref_inner, _ = reference_run(model, data)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  mesh = mesh_1d()
   params, static = eqx.partition(model, eqx.is_inexact_array)
   # FSDP: the leading dimension over "data" where it divides by the 8 devices.
   fsdp = jax.tree.map(lambda x: P("data") if x.shape[0] % 8 == 0 else P(), params)

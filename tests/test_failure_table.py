@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import init_mlp, make_batch, xent_loss
-from jax.sharding import AxisType
+from helpers import make_batch, mesh_2d, mlp_batch, mlp_params, xent_loss
 
 import gradaccum_jax as ga
 
@@ -31,28 +30,40 @@ def rows():
   return out
 
 
-PARAMS = init_mlp(jax.random.key(0), (6, 3))
-BATCH = make_batch(jax.random.key(1), 16)
+def base_params():
+  """The MLP 6-3 that the rows run unless they say otherwise."""
+  return mlp_params((6, 3))
 
 
-def fused(batch=BATCH, loss_fn=xent_loss, params=PARAMS, inner=None, k=K, **kw):
+def base_batch():
+  return mlp_batch(16)
+
+
+def fused(batch=None, loss_fn=xent_loss, params=None, inner=None, k=K, **kw):
+  batch = base_batch() if batch is None else batch
+  params = base_params() if params is None else params
   tx = ga.accumulate(inner or optax.sgd(0.1), k)
   return ga.train_step(loss_fn, tx, **kw)(params, tx.init(params), batch)
 
 
 def streaming(weight):
   tx = ga.accumulate(optax.sgd(0.1), 2)
-  return tx.update(jax.grad(xent_loss)(PARAMS, BATCH), tx.init(PARAMS), PARAMS, weight=weight)
+  return tx.update(
+    jax.grad(xent_loss)(base_params(), base_batch()),
+    tx.init(base_params()),
+    base_params(),
+    weight=weight,
+  )
 
 
 def with_weights(w):
-  batch = dict(BATCH, w=jnp.asarray(w, jnp.float32))
+  batch = dict(base_batch(), w=jnp.asarray(w, jnp.float32))
   return fused(batch, weight_fn=lambda mb: mb["w"].sum())
 
 
 def nan_term_weight():
   """A NaN weight of one term in one micro-batch voids the window, as a NaN scalar weight does."""
-  batch = dict(BATCH, w=jnp.ones(16).at[5].set(jnp.nan))
+  batch = dict(base_batch(), w=jnp.ones(16).at[5].set(jnp.nan))
   return fused(
     batch, loss_fn=lambda p, mb: {"ce": xent_loss(p, mb), "again": xent_loss(p, mb)},
     weight_fn=lambda mb: {"ce": mb["w"].sum(), "again": 1.0},
@@ -60,7 +71,7 @@ def nan_term_weight():
 
 
 def nan_row():
-  return fused(dict(BATCH, x=BATCH["x"].at[3, 1].set(jnp.nan)))
+  return fused(dict(base_batch(), x=base_batch()["x"].at[3, 1].set(jnp.nan)))
 
 
 def dp(**kw):
@@ -72,11 +83,13 @@ def dp_nan_example():
   """A NaN in one real example: its gradient adds 0 and the window is applied, as the window
   without that example (padding) is."""
   tx = dp(noise_multiplier=0.0)
-  batch = dict(BATCH, mask=jnp.ones(16))
+  batch = dict(base_batch(), mask=jnp.ones(16))
   bad = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
   step = ga.train_step(xent_loss, tx, weight_fn=lambda ex: ex["mask"][0])
-  new, state, metrics = step(PARAMS, tx.init(PARAMS), bad)
-  want = step(PARAMS, tx.init(PARAMS), dict(batch, mask=batch["mask"].at[3].set(0.0)))[0]
+  new, state, metrics = step(base_params(), tx.init(base_params()), bad)
+  want = step(
+    base_params(), tx.init(base_params()), dict(batch, mask=batch["mask"].at[3].set(0.0))
+  )[0]
   close = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), new, want))
   ok = bool(metrics["updated"]) and int(state.num_skipped) == 0 and all(close)
   return "counted as 0" if ok else "voided or wrong"
@@ -93,7 +106,7 @@ def empty_term():
   """A second term whose elements are all in micro-batch 0: in the others it is 0 / 0 (NaN) and
   weighs 0, and the window's update is the whole batch's, finite ("counted as 0")."""
   mask = (jnp.arange(16) % K == 0).astype(jnp.float32)
-  batch = dict(BATCH, m=mask)
+  batch = dict(base_batch(), m=mask)
 
   def loss_fn(p, mb):
     x2 = jnp.sum(mb["x"][:, 0] ** 2 * p["layer0"]["w"][0, 0] ** 2 * mb["m"]) / jnp.sum(mb["m"])
@@ -104,7 +117,7 @@ def empty_term():
     return xent_loss(p, batch) + x2
 
   new, state, metrics = fused(batch, loss_fn, weight_fn=lambda mb: {"sq": jnp.sum(mb["m"])})
-  want = jax.tree.map(lambda p, g: p - 0.1 * g, PARAMS, jax.grad(whole)(PARAMS))
+  want = jax.tree.map(lambda p, g: p - 0.1 * g, base_params(), jax.grad(whole)(base_params()))
   assert bool(metrics["updated"]) and int(state.num_skipped) == 0
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want), strict=True):
     assert jnp.allclose(a, b, atol=1e-6)
@@ -114,7 +127,7 @@ def empty_term():
 def terms_in_micro_step():
   tx = ga.accumulate(optax.sgd(0.1), 2)
   step = ga.micro_step(lambda p, mb: {"ce": xent_loss(p, mb)}, tx)
-  return step(PARAMS, step.init(PARAMS), BATCH)
+  return step(base_params(), step.init(base_params()), base_batch())
 
 
 def schedule(value):
@@ -141,10 +154,10 @@ def micro_step_nan():
   model state comes back as the window found it."""
   loss = lambda p, ms, mb: (xent_loss(p, mb), {"n": ms["n"] + jnp.mean(mb["x"])})  # noqa: E731
   step = ga.micro_step(loss, ga.accumulate(optax.sgd(0.1), K), has_state=True)
-  params, ms = PARAMS, {"n": jnp.zeros(())}
+  params, ms = base_params(), {"n": jnp.zeros(())}
   state = step.init(params, model_state=ms)
   for i in range(K):
-    mb = ga.microbatch(BATCH, i, K)
+    mb = ga.microbatch(base_batch(), i, K)
     mb = dict(mb, x=mb["x"].at[0, 0].set(jnp.nan)) if i == 0 else mb
     params, ms, state, metrics = step(params, ms, state, mb)
   assert not bool(metrics["updated"]) and int(state.accumulate.num_skipped) == 1
@@ -154,7 +167,7 @@ def micro_step_nan():
 
 def swapped():
   tx = ga.accumulate(optax.sgd(0.1), K)
-  return ga.train_step(xent_loss, tx)(BATCH, tx.init(PARAMS), PARAMS)
+  return ga.train_step(xent_loss, tx)(base_batch(), tx.init(base_params()), base_params())
 
 
 def nnx_module():
@@ -163,7 +176,7 @@ def nnx_module():
   model = nnx.Sequential(nnx.Linear(6, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
   tx = ga.accumulate(optax.sgd(0.1), K)
   loss = lambda m, mb: xent_loss({"layer0": {"w": jnp.eye(6, 3), "b": m(mb["x"])[0]}}, mb)  # noqa: E731
-  return ga.micro_step(loss, tx)(model, tx.init(model), ga.microbatch(BATCH, 0, K))
+  return ga.micro_step(loss, tx)(model, tx.init(model), ga.microbatch(base_batch(), 0, K))
 
 
 def _aux_loss(p, mb):
@@ -174,23 +187,23 @@ def aux_reduce(spec):
   return fused(loss_fn=_aux_loss, has_aux=True, aux_reduce=spec)
 
 
-FP8_VARS = {"params": PARAMS, "_overwrite_with_gradient": {"amax_history": jnp.zeros(4)}}
-
-
 def fp8_refused(where):
   tx = ga.accumulate(optax.sgd(0.1), K)
+  fp8_vars = {"params": base_params(), "_overwrite_with_gradient": {"amax_history": jnp.zeros(4)}}
   if where == "micro_step":
     stream = ga.micro_step(lambda v, mb: xent_loss(v["params"], mb), tx)
-    return stream(FP8_VARS, stream.init(FP8_VARS), ga.microbatch(BATCH, 0, K))
+    return stream(fp8_vars, stream.init(fp8_vars), ga.microbatch(base_batch(), 0, K))
   if where == "tx.update":
-    return tx.update(jax.tree.map(jnp.zeros_like, FP8_VARS), tx.init(PARAMS), FP8_VARS)
-  more = {**FP8_VARS, "batch_stats": {"mean": jnp.zeros(3)}}
-  return ga.train_step(lambda v, mb: xent_loss(v["params"], mb), tx)(more, tx.init(PARAMS), BATCH)
+    return tx.update(jax.tree.map(jnp.zeros_like, fp8_vars), tx.init(base_params()), fp8_vars)
+  more = {**fp8_vars, "batch_stats": {"mean": jnp.zeros(3)}}
+  return ga.train_step(lambda v, mb: xent_loss(v["params"], mb), tx)(
+    more, tx.init(base_params()), base_batch()
+  )
 
 
 def nested_shard_map():
   """A loss with its own shard_map over "model" inside the step's shard_map over "data"."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  mesh = mesh_2d("explicit")
   spec = jax.sharding.PartitionSpec
 
   def loss_fn(w, mb):
@@ -206,10 +219,10 @@ def nested_shard_map():
 
 def check_open_window():
   tx = ga.accumulate(optax.sgd(0.1), K)
-  state = tx.init(PARAMS)
-  _, state = tx.update(jax.grad(xent_loss)(PARAMS, BATCH), state, PARAMS)
+  state = tx.init(base_params())
+  _, state = tx.update(jax.grad(xent_loss)(base_params(), base_batch()), state, base_params())
   return ga.check_step(
-    ga.train_step(xent_loss, tx), xent_loss, optax.sgd(0.1), PARAMS, state, BATCH
+    ga.train_step(xent_loss, tx), xent_loss, optax.sgd(0.1), base_params(), state, base_batch()
   )
 
 
@@ -221,7 +234,7 @@ def check_nnx_not_optimizer():
   def loss(m, mb):
     return jnp.mean(m(mb["x"]) ** 2)
 
-  return ga.check_step(ga.nnx_train_step(loss), loss, optax.sgd(0.1), model, None, BATCH)
+  return ga.check_step(ga.nnx_train_step(loss), loss, optax.sgd(0.1), model, None, base_batch())
 
 
 def check_train_state_and_opt_state():
@@ -230,25 +243,29 @@ def check_train_state_and_opt_state():
 
   tx = ga.accumulate(optax.sgd(0.1), K)
   m = nn.Dense(3)
-  v = m.init(jax.random.key(0), BATCH["x"])
+  v = m.init(jax.random.key(0), base_batch()["x"])
   ts = train_state.TrainState.create(apply_fn=m.apply, params=v["params"], tx=tx)
 
   def loss(logits, mb):
     return jnp.mean(logits**2)
 
-  return ga.check_step(ga.linen_train_step(m, loss), loss, optax.sgd(0.1), ts, ts.opt_state, BATCH)
+  return ga.check_step(
+    ga.linen_train_step(m, loss), loss, optax.sgd(0.1), ts, ts.opt_state, base_batch()
+  )
 
 
 def check_micro_step_with_state():
   tx = ga.accumulate(optax.sgd(0.1), K)
   step = ga.micro_step(lambda p, s, mb: (xent_loss(p, mb), s), tx, has_state=True)
-  return ga.check_step(step, xent_loss, optax.sgd(0.1), PARAMS, tx.init(PARAMS), BATCH)
+  return ga.check_step(
+    step, xent_loss, optax.sgd(0.1), base_params(), tx.init(base_params()), base_batch()
+  )
 
 
 def check_without_batch():
   tx = ga.accumulate(optax.sgd(0.1), K)
   return ga.check_step(
-    ga.train_step(xent_loss, tx), xent_loss, optax.sgd(0.1), PARAMS, tx.init(PARAMS)
+    ga.train_step(xent_loss, tx), xent_loss, optax.sgd(0.1), base_params(), tx.init(base_params())
   )
 
 
@@ -267,7 +284,12 @@ TRIGGERS = {
   "`grads_in_place` that is not True or False": lambda: fused(grads_in_place="yes"),
   "params and batch swapped in a step's call": swapped,
   "the `ga.accumulate` transformation as `check_step`'s `inner_tx`": lambda: ga.check_step(
-    lambda p, s, b: (p,), xent_loss, ga.accumulate(optax.sgd(0.1), K), PARAMS, None, BATCH
+    lambda p, s, b: (p,),
+    xent_loss,
+    ga.accumulate(optax.sgd(0.1), K),
+    base_params(),
+    None,
+    base_batch(),
   ),
   "`check_step` on a state inside a window (`micro_step > 0`)": check_open_window,
   "`check_step` on an NNX model whose second argument is not its `nnx.Optimizer`": (
@@ -281,17 +303,27 @@ TRIGGERS = {
   "an NNX module with variables other than `nnx.Param` (BatchNorm statistics, `nnx.Rngs`) as a step's params": nnx_module,
   "a step called with `rng=` whose `loss_fn` takes no key": lambda: ga.train_step(
     xent_loss, ga.accumulate(optax.sgd(0.1), K)
-  )(PARAMS, ga.accumulate(optax.sgd(0.1), K).init(PARAMS), BATCH, jax.random.key(0)),
+  )(
+    base_params(),
+    ga.accumulate(optax.sgd(0.1), K).init(base_params()),
+    base_batch(),
+    jax.random.key(0),
+  ),
   "`tx.update` without params for an inner optimizer that needs them": lambda: ga.accumulate(
     optax.adamw(0.1), 1
-  ).update(jax.tree.map(jnp.ones_like, PARAMS), ga.accumulate(optax.adamw(0.1), 1).init(PARAMS)),
+  ).update(
+    jax.tree.map(jnp.ones_like, base_params()),
+    ga.accumulate(optax.adamw(0.1), 1).init(base_params()),
+  ),
   "an inner optimizer that needs `value=`, in streaming mode without it": lambda: ga.accumulate(
     optax.contrib.reduce_on_plateau(), 2
   ).update(jnp.ones(2), ga.accumulate(optax.contrib.reduce_on_plateau(), 2).init(jnp.ones(2))),
   "a NaN in any micro-batch of a `ga.micro_step` window with model state": micro_step_nan,
   "an empty batch (B = 0)": lambda: fused({"x": jnp.zeros((0, 6)), "y": jnp.zeros(0, jnp.int32)}),
   "a batch size that `k` does not divide": lambda: fused(make_batch(jax.random.key(1), 10)),
-  "batch leaves with different leading dimensions": lambda: fused(dict(BATCH, y=BATCH["y"][:8])),
+  "batch leaves with different leading dimensions": lambda: fused(
+    dict(base_batch(), y=base_batch()["y"][:8])
+  ),
   "a NaN or Inf in any micro-batch's gradient": nan_row,
   "a NaN or Inf weight": lambda: with_weights(jnp.ones(16).at[5].set(jnp.nan)),
   "every weight 0": lambda: with_weights(jnp.zeros(16)),
@@ -331,17 +363,23 @@ TRIGGERS = {
   "`ga.dp_accumulate` with a negative `noise_multiplier`": lambda: dp(noise_multiplier=-1.0),
   "`window_stats=` with a `ga.dp_accumulate` transformation": lambda: dp_step(
     window_stats=lambda p, mb: {}
-  )(PARAMS, dp().init(PARAMS), BATCH),
+  )(base_params(), dp().init(base_params()), base_batch()),
   "a model state with float leaves (BatchNorm statistics) under `ga.dp_accumulate`": lambda: (
-    dp_step(has_state=True)(PARAMS, {"mean": jnp.zeros(3)}, dp().init(PARAMS), BATCH)
+    dp_step(has_state=True)(
+      base_params(), {"mean": jnp.zeros(3)}, dp().init(base_params()), base_batch()
+    )
   ),
   "`ga.dp_accumulate` with a `seed` outside 64 bits": lambda: dp(seed=2**70),
   "`ga.flush` on the state of a `ga.dp_accumulate` transformation": lambda: ga.flush(
-    dp(), dp().update(jax.tree.map(jnp.ones_like, PARAMS), dp().init(PARAMS), PARAMS)[1], PARAMS
+    dp(),
+    dp().update(
+      jax.tree.map(jnp.ones_like, base_params()), dp().init(base_params()), base_params()
+    )[1],
+    base_params(),
   ),
   "`weight_fn(example)` under `ga.dp_accumulate` returning a non-number": lambda: dp_step(
     weight_fn=lambda ex: "real"
-  )(PARAMS, dp().init(PARAMS), BATCH),
+  )(base_params(), dp().init(base_params()), base_batch()),
   "`ga.clipped_grad` given a transformation of `ga.accumulate`": lambda: ga.clipped_grad(
     xent_loss, ga.accumulate(optax.sgd(0.1), 2)
   ),
@@ -353,7 +391,7 @@ TRIGGERS = {
     loss_fn=lambda p, mb: (xent_loss(p, mb), 1.0)
   ),
   "an integer or bool leaf in the params": lambda: fused(
-    params=dict(PARAMS, step=jnp.zeros((), jnp.int32))
+    params=dict(base_params(), step=jnp.zeros((), jnp.int32))
   ),
   "a `num_microbatches` schedule returning 0 or less": lambda: schedule(0),
   "a `num_microbatches` schedule returning a float": lambda: schedule(2.7),
@@ -363,19 +401,24 @@ TRIGGERS = {
   "a state made without a feature the transformation has": missing_feature,
   "the inner optimizer's state instead of `tx.init(params)`": lambda: ga.train_step(
     xent_loss, ga.accumulate(optax.sgd(0.1), K)
-  )(PARAMS, optax.sgd(0.1).init(PARAMS), BATCH),
+  )(base_params(), optax.sgd(0.1).init(base_params()), base_batch()),
   "gradients with another structure than the params": lambda: ga.accumulate(
     optax.sgd(0.1), 2
-  ).update({"w": jnp.ones(2)}, ga.accumulate(optax.sgd(0.1), 2).init(PARAMS)),
+  ).update({"w": jnp.ones(2)}, ga.accumulate(optax.sgd(0.1), 2).init(base_params())),
   "`num_real_microbatches` outside `1..k`": lambda: ga.train_step(
     xent_loss, ga.accumulate(optax.sgd(0.1), K)
-  )(PARAMS, ga.accumulate(optax.sgd(0.1), K).init(PARAMS), BATCH, num_real_microbatches=5),
-  "`ga.microbatch` index outside `0..k-1`": lambda: ga.microbatch(BATCH, 5, 4),
+  )(
+    base_params(),
+    ga.accumulate(optax.sgd(0.1), K).init(base_params()),
+    base_batch(),
+    num_real_microbatches=5,
+  ),
+  "`ga.microbatch` index outside `0..k-1`": lambda: ga.microbatch(base_batch(), 5, 4),
   "an inner optimizer that needs `value_fn=` (a line search)": lambda: fused(inner=optax.lbfgs()),
   "a mesh without the data axis": lambda: ga.train_step(
     xent_loss,
     ga.accumulate(optax.sgd(0.1), K),
-    mesh=jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Explicit,)),
+    mesh=jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,)),
   ),
   "a loss that calls `jax.shard_map` itself (over a model axis) inside a step with `mesh=`": (
     nested_shard_map

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from helpers import assert_trees_close
+from helpers import assert_trees_close, mesh_1d
 
 import gradaccum_jax as ga
 
@@ -297,7 +297,7 @@ def test_per_window_needs_a_batchnorm_in_training_and_auto_needs_jit(batch):
   step = ga.linen_train_step(model, xent, batchnorm="per_window", train_kwargs={"train": False})
   with pytest.raises(ValueError, match=r"needs one momentum, but CNN has no BatchNorm in training"):
     step(make_state(model), batch)
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  mesh = mesh_1d()
   with pytest.raises(ValueError, match=r"linen_train_step: gather_params='auto'.*needs jit=True"):
     ga.linen_train_step(
       model, xent, mesh=mesh, gather_params="auto", memory_budget_bytes=1, jit=False

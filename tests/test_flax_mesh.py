@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from helpers import assert_trees_close
+from helpers import assert_trees_close, mesh_1d, mesh_2d, put
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_sharding import big_batch_steps, collectives
@@ -35,15 +35,6 @@ B = D * K * 2  # two rows per device micro-batch
 LR = 1e-2
 
 pytestmark = pytest.mark.slow  # tensor-parallel meshes: compiles of 2-D meshes
-
-
-def mesh():
-  return jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
-
-
-def put(tree, m, spec):
-  specs = jax.tree.broadcast(spec, tree, is_leaf=lambda s: isinstance(s, P))
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(m, s)), tree, specs)
 
 
 def fsdp_specs(params):
@@ -137,7 +128,7 @@ def linen_reference(model, params, stats, batch, rng, devices=D, inner=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_linen_step_on_a_mesh_matches_the_device_group_reference(layout):
-  model, m, batch, rng = LinenCNN(), mesh(), image_batch(), jax.random.key(7)
+  model, m, batch, rng = LinenCNN(), mesh_1d(), image_batch(), jax.random.key(7)
   variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
   params, stats = variables["params"], variables["batch_stats"]
   specs = fsdp_specs(params) if layout == "fsdp" else None
@@ -233,7 +224,7 @@ def nnx_reference(model, batch, devices=D, inner=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_nnx_step_on_a_mesh_matches_the_device_group_reference(layout):
-  m, batch = mesh(), image_batch(1)
+  m, batch = mesh_1d(), image_batch(1)
   ref_params, ref_rest, ref_loss = nnx_reference(NnxCNN(), batch)
 
   model = NnxCNN()
@@ -252,7 +243,7 @@ def test_nnx_step_on_a_mesh_matches_the_device_group_reference(layout):
 
 @pytest.mark.slow
 def test_nnx_step_on_a_mesh_has_no_collective_in_the_loop():
-  m, batch = mesh(), put(image_batch(2), mesh(), P("data"))
+  m, batch = mesh_1d(), put(image_batch(2), mesh_1d(), P("data"))
   model = NnxCNN()
   optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(LR), K), wrt=nnx.Param)
   step = ga.nnx_train_step(nnx_xent, mesh=m)
@@ -287,11 +278,6 @@ TP_LAYOUTS = {
   "fsdp_tp_once": (FSDP_TP_SPECS, "once"),
   "fsdp_tp_per_microbatch": (FSDP_TP_SPECS, "per_microbatch"),
 }
-
-
-def tp_mesh(kind):
-  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
 
 
 def tp_params(batchnorm=False):
@@ -410,7 +396,7 @@ def assert_tp_step(params, momentum, metrics, m, specs):
 @pytest.mark.parametrize("layout", list(TP_LAYOUTS))
 def test_linen_step_with_tensor_parallel_params_matches_the_big_batch_step(layout, kind):
   """On an explicit mesh nn.Dense names the sharding of its product (explicit_dot_general)."""
-  (specs, gather), m, model = TP_LAYOUTS[layout], tp_mesh(kind), LinenTP()
+  (specs, gather), m, model = TP_LAYOUTS[layout], mesh_2d(kind), LinenTP()
   params = put(tp_params(), m, specs)
   tx = ga.accumulate(TP_INNER, TP_K)
   state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
@@ -425,7 +411,7 @@ def test_linen_step_with_tensor_parallel_params_matches_the_big_batch_step(layou
 @pytest.mark.parametrize("layout", list(TP_LAYOUTS))
 def test_nnx_step_with_tensor_parallel_params_matches_the_big_batch_step(layout, kind):
   """On an explicit mesh nnx.Linear is called with out_sharding= (tp_out_sharding)."""
-  (specs, gather), m = TP_LAYOUTS[layout], tp_mesh(kind)
+  (specs, gather), m = TP_LAYOUTS[layout], mesh_2d(kind)
   model = nnx_tp_model(put(tp_params(), m, specs))
   optimizer = nnx.Optimizer(model, ga.accumulate(TP_INNER, TP_K), wrt=nnx.Param)
   step = ga.nnx_train_step(nnx_xent, mesh=m, param_specs=specs, gather_params=gather)
@@ -449,7 +435,7 @@ def tp_loss(p, mb):
 
 def tp_report(entry, layout, kind):
   """``ga.inspect_step`` of ``entry``'s step on the TP mesh of ``kind``."""
-  (specs, gather), m = TP_LAYOUTS[layout], tp_mesh(kind)
+  (specs, gather), m = TP_LAYOUTS[layout], mesh_2d(kind)
   params, tx = put(tp_params(), m, specs), ga.accumulate(TP_INNER, TP_K)
   batch = put(tp_batches()[0], m, P("data"))
   if entry == "linen":
@@ -492,7 +478,7 @@ def named_loss(p, mb):
 def test_a_loss_that_names_the_model_axis_runs_on_an_explicit_mesh():
   """On jax 0.10 such a loss cannot run with the model axes Auto: it keeps them Explicit (and
   the all-gathers). The window equals the big-batch step of the same loss on one device."""
-  m, specs = tp_mesh("explicit"), TP_SPECS
+  m, specs = mesh_2d("explicit"), TP_SPECS
   params, batch = put(tp_params(), m, specs), tp_batches()[0]
   tx = ga.accumulate(TP_INNER, TP_K)
   step = ga.train_step(named_loss, tx, mesh=m, param_specs=specs)
@@ -508,7 +494,7 @@ def test_a_loss_that_names_the_model_axis_runs_on_an_explicit_mesh():
 
 TP_BN_SPECS = {**TP_SPECS, "bn": {"scale": P("model"), "bias": P("model")}}
 TP_BN_STATS_SPECS = {"bn": {"mean": P("model"), "var": P("model")}}
-TP_DATA = 4  # data devices of tp_mesh
+TP_DATA = 4  # data devices of mesh_2d
 TP_BN_ROWS = TP_DATA * K * 4  # four rows per data device per micro-batch: BatchNorm sees 4
 
 
@@ -525,7 +511,7 @@ def assert_tp_batchnorm_step(params, stats, loss, reference, m):
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_linen_step_with_tensor_parallel_batchnorm_matches_the_device_group_reference(kind):
-  m, model = tp_mesh(kind), LinenTP(batchnorm=True)
+  m, model = mesh_2d(kind), LinenTP(batchnorm=True)
   (params, stats), batch = tp_params(batchnorm=True), tp_batches(TP_BN_ROWS)[0]
   state = TrainState.create(
     apply_fn=model.apply,
@@ -545,7 +531,7 @@ def test_linen_step_with_tensor_parallel_batchnorm_matches_the_device_group_refe
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_nnx_step_with_tensor_parallel_batchnorm_matches_the_device_group_reference(kind):
-  m = tp_mesh(kind)
+  m = mesh_2d(kind)
   (params, stats), batch = tp_params(batchnorm=True), tp_batches(TP_BN_ROWS)[0]
   values = {**params, "bn": {**params["bn"], **stats["bn"]}}  # nnx.BatchNorm holds both
   reference = nnx_reference(nnx_tp_model(values, True), batch, devices=TP_DATA, inner=TP_INNER)

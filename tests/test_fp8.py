@@ -8,6 +8,8 @@ whole batch's cotangent: each micro-batch's loss is scaled by ``w_i / W`` before
 differentiated. Every reference here is that plain big-batch step, written the Flax way.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from helpers import assert_trees_close
+from helpers import assert_trees_close, mesh_1d
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -32,8 +34,13 @@ class Net(nn.Module):
 
 
 NET = Net()
-VARIABLES = NET.init(jax.random.key(0), jnp.ones((1, 5)))
 INNER = optax.sgd(0.1, momentum=0.9)
+
+
+@functools.cache
+def net_variables():
+  """NET's variables: its params and the fp8 collection."""
+  return NET.init(jax.random.key(0), jnp.ones((1, 5)))
 
 
 def mse(y, mb):
@@ -96,7 +103,7 @@ def assert_window_equal(ours, ref, before, exact):
 def test_the_fp8_collection_moves():
   """The reference itself: each window writes a new amax into every history, the output
   gradients' included (so a wrong reduction of any of them shows)."""
-  ref = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=INNER)
+  ref = train_state.TrainState.create(apply_fn=NET.apply, params=net_variables(), tx=INNER)
   ref = big_batch_step(mse)(ref, batches(1)[0])
   for path, leaf in jax.tree_util.tree_leaves_with_path(ref.params[OWG]):
     if "history" in jax.tree_util.keystr(path):
@@ -106,11 +113,11 @@ def test_the_fp8_collection_moves():
 @pytest.mark.parametrize("mesh", [None, pytest.param("data", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_linen_train_step_equals_the_big_batch(k, mesh):
-  ref = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=INNER)
+  ref = train_state.TrainState.create(apply_fn=NET.apply, params=net_variables(), tx=INNER)
   ours = train_state.TrainState.create(
-    apply_fn=NET.apply, params=VARIABLES, tx=ga.accumulate(INNER, k)
+    apply_fn=NET.apply, params=net_variables(), tx=ga.accumulate(INNER, k)
   )
-  mesh = None if mesh is None else jax.make_mesh((8,), ("data",))
+  mesh = None if mesh is None else mesh_1d()
   step, big = ga.linen_train_step(NET, mse, inputs="x", mesh=mesh), big_batch_step(mse)
   for i, batch in enumerate(batches()):
     before = ref.params
@@ -127,11 +134,11 @@ def test_token_weighted_windows_equal_the_big_batch(mesh):
   """Uneven real rows and a micro-batch of padding only: its rows still pass the forward (their
   inputs count in the input amax, as in the whole batch), its cotangent is 0."""
   k = 4
-  ref = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=INNER)
+  ref = train_state.TrainState.create(apply_fn=NET.apply, params=net_variables(), tx=INNER)
   ours = train_state.TrainState.create(
-    apply_fn=NET.apply, params=VARIABLES, tx=ga.accumulate(INNER, k)
+    apply_fn=NET.apply, params=net_variables(), tx=ga.accumulate(INNER, k)
   )
-  mesh = None if mesh is None else jax.make_mesh((8,), ("data",))
+  mesh = None if mesh is None else mesh_1d()
   step = ga.linen_train_step(NET, token_mse, inputs="x", weight_fn=tokens, mesh=mesh)
   big = big_batch_step(token_mse)
   for batch in batches(2, masked=True, k=k):
@@ -148,8 +155,8 @@ def test_train_step_on_the_variables_dict():
   """``ga.train_step`` with the variables as params and ``tx.init(variables["params"])``, as
   Flax's ``TrainState.create`` makes it."""
   tx = ga.accumulate(INNER, 4)
-  ref = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=INNER)
-  params, state = VARIABLES, tx.init(VARIABLES["params"])
+  ref = train_state.TrainState.create(apply_fn=NET.apply, params=net_variables(), tx=INNER)
+  params, state = net_variables(), tx.init(net_variables()["params"])
   step = ga.train_step(variables_loss, tx)
   for i, batch in enumerate(batches(2)):
     before = ref.params
@@ -163,8 +170,8 @@ def test_value_and_grad_equals_jax_grad_of_the_variables():
   """The collection's "gradient" is the whole batch's new value, as ``jax.value_and_grad``
   gives it; the params' gradient is the whole batch's."""
   batch = batches(1)[0]
-  loss, grads = ga.value_and_grad(variables_loss, 4)(VARIABLES, batch)
-  ref_loss, ref_grads = jax.value_and_grad(variables_loss)(VARIABLES, batch)
+  loss, grads = ga.value_and_grad(variables_loss, 4)(net_variables(), batch)
+  ref_loss, ref_grads = jax.value_and_grad(variables_loss)(net_variables(), batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   assert_trees_close(grads["params"], ref_grads["params"], rtol=1e-5, atol=1e-7)
   for a, r in zip(jax.tree.leaves(grads[OWG]), jax.tree.leaves(ref_grads[OWG]), strict=True):
@@ -175,25 +182,25 @@ def test_a_short_window_equals_the_big_batch_of_its_real_micro_batches():
   k, m = 4, 2
   batch = batches(1)[0]
   real = jax.tree.map(lambda x: x[np.arange(B) % k < m], batch)  # rows of micro-batches 0, 1
-  ref = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=INNER)
+  ref = train_state.TrainState.create(apply_fn=NET.apply, params=net_variables(), tx=INNER)
   ours = train_state.TrainState.create(
-    apply_fn=NET.apply, params=VARIABLES, tx=ga.accumulate(INNER, k)
+    apply_fn=NET.apply, params=net_variables(), tx=ga.accumulate(INNER, k)
   )
   ref = big_batch_step(mse)(ref, real)
   ours, _ = ga.linen_train_step(NET, mse, inputs="x")(ours, batch, num_real_microbatches=m)
-  assert_window_equal(ours.params, ref.params, VARIABLES, exact=True)
+  assert_window_equal(ours.params, ref.params, net_variables(), exact=True)
 
 
 def test_a_voided_window_keeps_the_collection():
   """A window of zero total weight changes neither the params nor the amax histories."""
   ours = train_state.TrainState.create(
-    apply_fn=NET.apply, params=VARIABLES, tx=ga.accumulate(INNER, 4)
+    apply_fn=NET.apply, params=net_variables(), tx=ga.accumulate(INNER, 4)
   )
   batch = dict(batches(1)[0], mask=jnp.zeros(B))
   step = ga.linen_train_step(NET, token_mse, inputs="x", weight_fn=tokens)
   new, metrics = step(ours, batch)
   assert not bool(metrics["updated"]) and int(new.opt_state.num_skipped) == 1
-  jax.tree.map(np.testing.assert_array_equal, new.params, VARIABLES)
+  jax.tree.map(np.testing.assert_array_equal, new.params, net_variables())
 
 
 def test_the_collection_is_carried_not_added_in_place():
@@ -201,7 +208,7 @@ def test_the_collection_is_carried_not_added_in_place():
   new value, maxed over the window, so its step takes the carried path on every JAX (the same
   model without fp8 adds in place where JAX can, so the report can tell)."""
   batch, tx = batches(1)[0], ga.accumulate(INNER, 4)
-  ours = train_state.TrainState.create(apply_fn=NET.apply, params=VARIABLES, tx=tx)
+  ours = train_state.TrainState.create(apply_fn=NET.apply, params=net_variables(), tx=tx)
   report = ga.inspect_step(ga.linen_train_step(NET, mse, inputs="x"), ours, batch)
   assert report.grads_in_place is False
   plain = nn.Sequential([nn.Dense(16), jnp.tanh, nn.Dense(1)])
@@ -217,20 +224,20 @@ def test_streaming_calls_refuse_the_collection():
   tx = ga.accumulate(INNER, 4)
   stream = ga.micro_step(variables_loss, tx)
   with pytest.raises(ValueError, match="micro_step: params holds Flax's '_overwrite_with_gra"):
-    stream(VARIABLES, stream.init(VARIABLES), batches(1)[0])
-  grads = jax.tree.map(jnp.zeros_like, VARIABLES)
+    stream(net_variables(), stream.init(net_variables()), batches(1)[0])
+  grads = jax.tree.map(jnp.zeros_like, net_variables())
   with pytest.raises(ValueError, match="tx.update: grads holds Flax's '_overwrite_with_gradi"):
-    tx.update(grads, tx.init(VARIABLES["params"]), VARIABLES)
+    tx.update(grads, tx.init(net_variables()["params"]), net_variables())
 
 
 def test_other_collections_beside_the_fp8_one_are_refused():
   tx = ga.accumulate(INNER, 4)
-  params = {**VARIABLES, "batch_stats": {"mean": jnp.zeros(3)}}
+  params = {**net_variables(), "batch_stats": {"mean": jnp.zeros(3)}}
   with pytest.raises(
     ValueError,
     match="train_step: params holds Flax's '_overwrite_with_gradient' collection \\(fp8\\) and \\['batch_stats'\\]",
   ):
-    ga.train_step(variables_loss, tx)(params, tx.init(VARIABLES["params"]), batches(1)[0])
+    ga.train_step(variables_loss, tx)(params, tx.init(net_variables()["params"]), batches(1)[0])
 
 
 @pytest.mark.parametrize("gather", ["once", "per_microbatch"])
@@ -252,7 +259,7 @@ def test_fsdp_params_equal_the_big_batch(gather):
     apply_fn=net.apply, params=variables, tx=ga.accumulate(INNER, 4)
   )
   step = ga.linen_train_step(
-    net, mse, inputs="x", mesh=jax.make_mesh((8,), ("data",)), param_specs=specs,
+    net, mse, inputs="x", mesh=mesh_1d(), param_specs=specs,
     gather_params=gather,
   )  # fmt: skip
   ours, _ = step(ours, batch)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, mlp, xent_loss
+from helpers import assert_trees_close, init_mlp, mesh_1d, mesh_2d, mlp, put, xent_loss
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_mesh import (
@@ -26,8 +26,7 @@ from test_flax_mesh import (
   xent,
 )
 from test_flax_mesh import K as FLAX_K
-from test_flax_mesh import mesh as explicit_mesh
-from test_sharding import FSDP, SIZES, D, data, mesh_1d, plain_steps, put
+from test_sharding import FSDP, SIZES, D, data, plain_steps
 
 import gradaccum_jax as ga
 
@@ -301,11 +300,6 @@ def explicit_xent_loss(params, batch):
   return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
 
 
-def mesh_2d(kind="auto"):
-  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 @pytest.mark.parametrize(
@@ -426,7 +420,7 @@ def layout_mesh(kind):
   if kind == "hsdp":
     mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(AxisType.Explicit,) * 2)
     return mesh, ("replica", "data")
-  return (mesh_1d() if kind == "1d" else mesh_2d()), "data"
+  return (mesh_1d() if kind == "1d" else mesh_2d("auto")), "data"
 
 
 def kept(batch):
@@ -538,7 +532,7 @@ def test_the_donated_mesh_step_trains_as_the_undonated_one(layout):
 
 
 def test_a_dimension_split_over_data_and_model_axes_names_the_leaf():
-  mesh = mesh_2d()
+  mesh = mesh_2d("auto")
   params = init_mlp(jax.random.key(0), SIZES)
   specs = {"layer0": {"w": P(("data", "model")), "b": P()}, "layer1": P()}
   vg = ga.value_and_grad(xent_loss, 2, mesh=mesh, param_specs=specs)
@@ -554,7 +548,7 @@ def test_a_dimension_split_over_data_and_model_axes_names_the_leaf():
   ],
 )
 def test_param_specs_naming_unknown_axes_or_two_data_dimensions(specs, message):
-  vg = ga.value_and_grad(xent_loss, 2, mesh=mesh_2d(), param_specs=specs)
+  vg = ga.value_and_grad(xent_loss, 2, mesh=mesh_2d("auto"), param_specs=specs)
   with pytest.raises(ValueError, match=message):
     vg(init_mlp(jax.random.key(0), SIZES), data(16))
 
@@ -602,7 +596,7 @@ def test_linen_step_matches_the_device_group_reference(layout, donated):
   """FSDP params gathered per micro-batch, and donated steps (scanning into the state's
   accumulator) in every layout: BatchNorm's statistics, the first update and the loss as the
   device-group reference computes them."""
-  model, m, batch, rng = LinenCNN(), explicit_mesh(), image_batch(), jax.random.key(7)
+  model, m, batch, rng = LinenCNN(), mesh_1d(), image_batch(), jax.random.key(7)
   variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
   # On the host, so that the donated step spares them for the reference below.
   params, stats = jax.device_get((variables["params"], variables["batch_stats"]))
@@ -627,7 +621,7 @@ def test_linen_step_matches_the_device_group_reference(layout, donated):
 
 @pytest.mark.slow
 def test_nnx_step_with_auto_gathering_matches_the_device_group_reference():
-  m, batch = explicit_mesh(), image_batch(1)
+  m, batch = mesh_1d(), image_batch(1)
   ref_params, ref_rest, ref_loss = nnx_reference(NnxCNN(), batch)
   model = NnxCNN()
   specs = fsdp_specs(nnx.to_pure_dict(nnx.state(model, nnx.Param)))

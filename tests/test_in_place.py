@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mesh_1d
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -124,7 +125,7 @@ def test_in_place_equals_the_carried_path(case):
 def test_in_place_on_a_mesh_equals_the_carried_path(layout):
   """8 devices, weighted with an empty micro-batch: FSDP gathered per micro-batch reduces each
   micro-batch's own gradient, so it is carried; the others go in place where JAX can."""
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = mesh_1d()
   params, batch = _stack(jax.random.key(2))
   batch["n"] = batch["n"].at[1::K].set(0)
   specs = None

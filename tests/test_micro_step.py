@@ -6,16 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, xent_loss
+from helpers import assert_trees_close, init_mlp, mesh_1d, put, xent_loss
 from jax.sharding import PartitionSpec as P
 from test_sharding import (
   FSDP,
   SIZES,
   D,
   data,
-  mesh_1d,
   plain_steps,
-  put,
   token_batch,
   token_loss,
 )

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import init_mlp, mlp
-from jax.sharding import AxisType, NamedSharding
+from helpers import init_mlp, mesh_1d, mlp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -20,10 +20,6 @@ D, K = 8, 4
 SIZES = (8, 64, 16)
 FSDP = {"layer0": {"w": P(None, "data"), "b": P()}, "layer1": {"w": P("data"), "b": P()}}
 NARROW_TOL = {"bfloat16": 2 * K * 2.0**-8, "float16": 2 * K * 2.0**-10}
-
-
-def mesh():
-  return jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
 
 
 def token_loss(params, mb):
@@ -72,7 +68,7 @@ def assert_close_to(actual, expected, tol):
 def test_fsdp_params_gathered_once_or_per_microbatch_with_a_narrow_accumulator(gather, dtype):
   """Per micro-batch, a sharded leaf's ``w g`` is reduce-scattered and summed in float32 (its
   shard), a replicated one keeps the device's running mean; the window is the big batch's."""
-  m = mesh()
+  m = mesh_1d()
   params = init_mlp(jax.random.key(0), SIZES)
   batch = make_batch(0, D * K * 2)
   tx = ga.accumulate(optax.sgd(1.0), K, accum_dtype=jnp.dtype(dtype))
@@ -93,7 +89,7 @@ def test_micro_step_slots_of_running_means_read_and_continued_by_the_fused_step(
   """Two micro_step calls on a mesh: ``state.acc_grads`` and ``to_accumulate_state`` weigh each
   device slot's running mean by its weight (summing them would be D times too large); the fused
   step then closes the window with its own K micro-batches: the big batch of all six."""
-  m = mesh()
+  m = mesh_1d()
   params = init_mlp(jax.random.key(1), SIZES)
   tx = ga.accumulate(optax.sgd(1.0), K, accum_dtype=jnp.bfloat16)
   micro = ga.micro_step(token_loss, tx, weight_fn=tokens, mesh=m)
@@ -128,7 +124,7 @@ def test_a_narrow_accumulator_halves_the_accumulator_bytes_of_each_device(specs)
   """The compiled fused step's arguments and outputs (params, state, batch) per device are
   smaller by exactly the float32 accumulator's bytes minus the bfloat16 one's: the accumulator
   alone is narrower, and no float32 copy of it is kept between windows."""
-  m = mesh()
+  m = mesh_1d()
   params = put(init_mlp(jax.random.key(0), SIZES), m, specs or P())
   batch = put(make_batch(0, D * K * 2), m, P("data"))
   analysis, held = {}, {}
@@ -151,7 +147,7 @@ def test_a_narrow_accumulator_takes_the_float32_accumulators_collectives(specs):
   """Each device's running mean joins the window's one all-reduce as ``mean * weight`` in
   float32 (an all-reduce has one dtype): the narrow step's collectives, in the loop and after
   it, are the float32 step's, and none is in the loop."""
-  m = mesh()
+  m = mesh_1d()
   params = put(init_mlp(jax.random.key(0), SIZES), m, specs or P())
   batch = put(make_batch(0, D * K * 2), m, P("data"))
   reports = {}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, make_batch
+from helpers import assert_trees_close, make_batch, mesh_1d
 
 import gradaccum_jax as ga
 
@@ -301,7 +301,7 @@ def test_jit_false_gives_the_step_to_trace_in_your_own_nnx_jit():
   assert_trees_close(results[1][:2], results[0][:2], rtol=1e-6, atol=1e-7)
   assert results[1][2:] == pytest.approx(results[0][2:], rel=1e-6)
   assert results[1][3] == 1
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  mesh = mesh_1d()
   with pytest.raises(ValueError, match=r"nnx_train_step: gather_params='auto'.*needs jit=True"):
     ga.nnx_train_step(xent, mesh=mesh, gather_params="auto", memory_budget_bytes=1, jit=False)
 

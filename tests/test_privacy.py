@@ -8,17 +8,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batch, mlp
+from helpers import assert_trees_close, init_mlp, make_batch, mesh_1d, mlp, mlp_params, put
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 
 N, C, B, LR = 32, 3.0, 40.0, 0.1  # rows, clip norm (about half the examples clip), B, lr
-PARAMS = init_mlp(jax.random.key(0), (6, 16, 8))
 FSDP = {
   "layer0": {"w": P(None, "data"), "b": P("data")},
   "layer1": {"w": P("data"), "b": P("data")},
 }
+
+
+def base_params():
+  """The MLP 6-16-8 the windows train."""
+  return mlp_params((6, 16, 8))
 
 
 def make(key=1, pad=0.0):
@@ -75,12 +79,6 @@ def dp_tx(k, sigma=0.0, seed=0, inner=None, **kw):
   return ga.dp_accumulate(inner, k, **kw)
 
 
-def put(tree, mesh, spec):
-  """``tree`` laid out on ``mesh`` by ``spec`` (one PartitionSpec, or a tree of them)."""
-  shard = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), spec)
-  return jax.device_put(tree, shard)
-
-
 FAST_CELLS = {(2, False, 0.0), (4, True, "nan")}  # the rest in the slow tier
 
 
@@ -99,14 +97,14 @@ def test_train_step_is_the_by_hand_clipped_whole_batch_update(k, donate, pad):
   batch = make(pad=pad)
   tx = dp_tx(k)
   step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, donate=donate)
-  params, state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
+  params, state = jax.tree.map(jnp.copy, base_params()), tx.init(base_params())
   params, state, metrics = step(params, state, batch)
-  assert_trees_close(params, sgd(PARAMS, batch))
+  assert_trees_close(params, sgd(base_params(), batch))
   assert float(metrics["weight"]) == float(jnp.sum(batch["mask"]))  # the real examples
   assert bool(metrics["updated"]) and np.isfinite(float(metrics["loss"]))
   # a second window starts from the first's params and empty sums
   params, state, _ = step(params, state, make(2))
-  assert_trees_close(params, sgd(sgd(PARAMS, batch), make(2)))
+  assert_trees_close(params, sgd(sgd(base_params(), batch), make(2)))
   assert int(state.count) == 2 and int(state.num_skipped) == 0
 
 
@@ -122,17 +120,17 @@ def test_train_step_is_the_by_hand_clipped_whole_batch_update(k, donate, pad):
 def test_micro_step_and_tx_update_are_the_fused_window(accum_dtype, pad):
   batch, k = make(pad=pad), 4
   tol = dict(rtol=1e-5, atol=1e-6) if accum_dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-3)
-  want = sgd(PARAMS, batch)
+  want = sgd(base_params(), batch)
   tx = dp_tx(k, accum_dtype=accum_dtype)
   step = ga.micro_step(loss_fn, tx, weight_fn=weight_fn)
-  params, state = PARAMS, tx.init(PARAMS)
+  params, state = base_params(), tx.init(base_params())
   for i in range(k):
     params, state, metrics = step(params, state, ga.microbatch(batch, i, k))
   assert_trees_close(params, want, **tol)
   assert bool(metrics["updated"]) and float(metrics["weight"]) == float(jnp.sum(batch["mask"]))
 
   grad = jax.jit(ga.clipped_grad(loss_fn, tx, weight_fn=weight_fn))
-  params, state = PARAMS, tx.init(PARAMS)
+  params, state = base_params(), tx.init(base_params())
   for i in range(k):
     _, g, w = grad(params, ga.microbatch(batch, i, k))
     updates, state = tx.update(g, state, params, weight=w)
@@ -151,19 +149,24 @@ def test_on_a_mesh_the_sums_and_the_noise_are_the_one_device_window_s(specs, gat
   """8 devices, k = 2: the update equals the one-device step's (sigma = 0: the by-hand one), the
   noise drawn once for the window, not once per device (that would be sqrt(8) larger)."""
   batch, k = make(pad=pad), 2
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = mesh_1d()
   tx = dp_tx(k, sigma, seed=7)
-  one = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(PARAMS, tx.init(PARAMS), batch)[0]
+  one = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(
+    base_params(), tx.init(base_params()), batch
+  )[0]
   step = ga.train_step(
     loss_fn, tx, weight_fn=weight_fn, mesh=mesh, param_specs=specs, gather_params=gather
   )
-  params = PARAMS if specs is None else put(PARAMS, mesh, FSDP)
+  params = base_params() if specs is None else put(base_params(), mesh, FSDP)
   new, state, _ = step(params, tx.init(params), put(batch, mesh, P("data")))
   assert_trees_close(new, one)
   if sigma == 0:
-    assert_trees_close(new, sgd(PARAMS, batch))
+    assert_trees_close(new, sgd(base_params(), batch))
   mstep = ga.micro_step(loss_fn, tx, weight_fn=weight_fn, mesh=mesh, param_specs=specs)
-  params, state = (PARAMS if specs is None else put(PARAMS, mesh, FSDP)), tx.init(params)
+  params, state = (
+    (base_params() if specs is None else put(base_params(), mesh, FSDP)),
+    tx.init(params),
+  )
   for i in range(k):
     params, state, _ = mstep(params, state, put(ga.microbatch(batch, i, k), mesh, P("data")))
   assert_trees_close(params, one)
@@ -197,11 +200,11 @@ def test_a_resumed_run_draws_the_uninterrupted_run_s_noise():
   batches = [make(i) for i in range(3)]
   tx = dp_tx(2, sigma=1.1, seed=3, inner=optax.adam(1e-2))
   step = ga.train_step(loss_fn, tx, weight_fn=weight_fn)
-  params, state = PARAMS, tx.init(PARAMS)
+  params, state = base_params(), tx.init(base_params())
   for b in batches:
     params, state, _ = step(params, state, b)
 
-  resumed, saved = PARAMS, tx.init(PARAMS)
+  resumed, saved = base_params(), tx.init(base_params())
   resumed, saved, _ = step(resumed, saved, batches[0])
   saved = jax.tree.map(np.asarray, jax.device_get((resumed, saved)))  # a checkpoint
   tx2 = dp_tx(2, sigma=1.1, seed=3, inner=optax.adam(1e-2))
@@ -211,9 +214,11 @@ def test_a_resumed_run_draws_the_uninterrupted_run_s_noise():
     resumed, state2, _ = step2(resumed, state2, b)
   assert_trees_close(resumed, params, rtol=0, atol=0)
   other = dp_tx(2, sigma=1.1, seed=4, inner=optax.adam(1e-2))
-  p4 = ga.train_step(loss_fn, other, weight_fn=weight_fn)(PARAMS, other.init(PARAMS), batches[0])[0]
+  p4 = ga.train_step(loss_fn, other, weight_fn=weight_fn)(
+    base_params(), other.init(base_params()), batches[0]
+  )[0]
   assert not np.allclose(
-    p4["layer0"]["w"], step(PARAMS, tx.init(PARAMS), batches[0])[0]["layer0"]["w"]
+    p4["layer0"]["w"], step(base_params(), tx.init(base_params()), batches[0])[0]["layer0"]["w"]
   )
 
 
@@ -226,10 +231,12 @@ def test_one_window_is_jax_privacy_s_clipped_grad_divided_by_b():
   batch = make()
   real = batch["mask"] > 0
   whole = jax.tree.map(lambda x: x[np.asarray(real)], batch)  # JAX Privacy takes no mask
-  peer = jax_privacy.clipped_grad(loss_fn, l2_clip_norm=C, batch_argnums=1)(PARAMS, whole)
+  peer = jax_privacy.clipped_grad(loss_fn, l2_clip_norm=C, batch_argnums=1)(base_params(), whole)
   tx = dp_tx(4, inner=optax.sgd(1.0))
-  new = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(PARAMS, tx.init(PARAMS), batch)[0]
-  assert_trees_close(jax.tree.map(lambda p, n: (p - n) * B, PARAMS, new), peer)
+  new = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(
+    base_params(), tx.init(base_params()), batch
+  )[0]
+  assert_trees_close(jax.tree.map(lambda p, n: (p - n) * B, base_params(), new), peer)
 
 
 def test_a_non_finite_example_adds_nothing_and_voids_nothing():
@@ -239,9 +246,9 @@ def test_a_non_finite_example_adds_nothing_and_voids_nothing():
   kept = dict(batch, mask=batch["mask"].at[5].set(0.0))
   tx = dp_tx(4)
   step = ga.train_step(loss_fn, tx, weight_fn=weight_fn)
-  new, state, metrics = step(PARAMS, tx.init(PARAMS), bad)
+  new, state, metrics = step(base_params(), tx.init(base_params()), bad)
   assert bool(metrics["updated"]) and int(state.num_skipped) == 0
-  assert_trees_close(new, sgd(PARAMS, kept))
+  assert_trees_close(new, sgd(base_params(), kept))
 
 
 def test_a_window_of_padding_only_still_takes_its_noisy_step():
@@ -249,10 +256,10 @@ def test_a_window_of_padding_only_still_takes_its_noisy_step():
   batch = dict(make(), mask=jnp.zeros(N))
   tx = dp_tx(2, sigma=1.0)
   new, state, metrics = ga.train_step(loss_fn, tx, weight_fn=weight_fn)(
-    PARAMS, tx.init(PARAMS), batch
+    base_params(), tx.init(base_params()), batch
   )
   assert bool(metrics["updated"]) and float(metrics["weight"]) == 0
-  assert not np.allclose(new["layer1"]["b"], PARAMS["layer1"]["b"])
+  assert not np.allclose(new["layer1"]["b"], base_params()["layer1"]["b"])
 
 
 @pytest.mark.slow
@@ -295,9 +302,9 @@ def test_aux_is_reduced_over_the_real_examples():
 
   tx = dp_tx(4)
   step = ga.train_step(with_aux, tx, weight_fn=weight_fn, has_aux=True, aux_reduce={"peak": "max"})
-  _, _, metrics = step(PARAMS, tx.init(PARAMS), batch)
+  _, _, metrics = step(base_params(), tx.init(base_params()), batch)
   real = np.asarray(batch["mask"]) > 0
-  losses = np.array([float(loss_fn(PARAMS, jax.tree.map(lambda x, e=e: x[e : e + 1], batch)))
+  losses = np.array([float(loss_fn(base_params(), jax.tree.map(lambda x, e=e: x[e : e + 1], batch)))
                      for e in np.flatnonzero(real)])  # fmt: skip
   assert int(metrics["aux"]["rows"]) == real.sum()
   np.testing.assert_allclose(float(metrics["aux"]["loss"]), losses.mean(), rtol=1e-5)
@@ -321,7 +328,7 @@ def test_bad_settings_and_options_are_refused_before_any_work():
   tx = dp_tx(2)
   with pytest.raises(ValueError, match="does not take window_stats="):
     ga.train_step(loss_fn, tx, window_stats=lambda p, mb: jnp.mean(mb["x"]))(
-      PARAMS, tx.init(PARAMS), make()
+      base_params(), tx.init(base_params()), make()
     )
 
   def bn_loss(params, state, mb):
@@ -329,10 +336,12 @@ def test_bad_settings_and_options_are_refused_before_any_work():
 
   with pytest.raises(ValueError, match=r"the model state holds \['mean'\] \(float32\)"):
     ga.train_step(bn_loss, tx, has_state=True)(
-      PARAMS, {"mean": jnp.zeros(3)}, tx.init(PARAMS), make()
+      base_params(), {"mean": jnp.zeros(3)}, tx.init(base_params()), make()
     )
   with pytest.raises(ValueError, match=r"weight_fn\(example\)"):
-    ga.train_step(loss_fn, tx, weight_fn=lambda ex: ex["mask"])(PARAMS, tx.init(PARAMS), make())
+    ga.train_step(loss_fn, tx, weight_fn=lambda ex: ex["mask"])(
+      base_params(), tx.init(base_params()), make()
+    )
 
 
 def test_the_accountant_counts_windows_and_matches_the_gaussian_closed_form():

@@ -16,7 +16,10 @@ from helpers import (
   assert_trees_close,
   init_mlp,
   make_batch,
+  mesh_1d,
   mlp,
+  mlp_params,
+  put,
   xent_loss,
 )
 from jax.sharding import AxisType, NamedSharding
@@ -31,17 +34,6 @@ FSDP = {
   "layer0": {"w": P(None, "data"), "b": P("data")},
   "layer1": {"w": P("data"), "b": P("data")},
 }
-
-
-def mesh_1d(kind="explicit"):
-  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-  return jax.make_mesh((D,), ("data",), axis_types=(axis_type,))
-
-
-def put(tree, mesh, spec):
-  """device_put every leaf with NamedSharding(mesh, spec); spec may be a pytree prefix."""
-  specs = jax.tree.broadcast(spec, tree, is_leaf=lambda s: isinstance(s, P))
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 
 
 def big_batch_steps(loss_fn, inner, params, batches):
@@ -347,7 +339,8 @@ def compiled_step(k, mesh, param_specs=None, weight_fn=None, loss_fn=xent_loss, 
   return step.lower(*args).compile(), args
 
 
-PARAM_SHAPES = sorted(tuple(x.shape) for x in jax.tree.leaves(init_mlp(jax.random.key(0), SIZES)))
+def param_shapes():
+  return sorted(tuple(x.shape) for x in jax.tree.leaves(mlp_params(SIZES)))
 
 
 @pytest.mark.slow
@@ -362,7 +355,7 @@ def test_replicated_step_has_one_all_reduce_after_the_loop_whatever_k():
     assert [op for op, *_ in colls] == ["all-reduce"], colls  # and no all-gather of the batch
     shapes = colls[0][1]
     # One operand per gradient leaf, plus two f32[] scalars: the loss and the weight sums.
-    assert sorted(s for s in shapes if s) == PARAM_SHAPES, shapes
+    assert sorted(s for s in shapes if s) == param_shapes(), shapes
     assert shapes.count(()) == 2, shapes
   assert found[2] == found[8]
 
@@ -380,7 +373,7 @@ def test_sharded_step_gathers_params_once_and_reduce_scatters_once_per_param():
     reduces = [t for op, t, *_ in colls if op == "all-reduce"]
     assert {op for op, *_ in colls} == {"all-gather", "reduce-scatter", "all-reduce"}, colls
     # All-gathers are of the params only (each to its full shape), none of the batch.
-    assert sorted(s for g in gathers for s in g) == PARAM_SHAPES, gathers
+    assert sorted(s for g in gathers for s in g) == param_shapes(), gathers
     # One reduce-scatter per param, into its 1/D shard.
     shards = sorted(tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(p))
     assert sorted(s for r in scatters for s in r) == shards, scatters

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, mesh_1d
 
 import gradaccum_jax as ga
 
@@ -85,7 +85,7 @@ def test_global_batch_balance_loss_equals_the_whole_batch_s(remat, mesh):
   params, windows = init(jax.random.key(0)), batches(3)
   kw = {}
   if mesh:
-    kw = dict(mesh=jax.make_mesh((8,), ("data",)), data_axis="data")
+    kw = dict(mesh=mesh_1d(), data_axis="data")
   k = 2 if mesh else 4
   tx = ga.accumulate(optax.sgd(LR), k)
   step = ga.train_step(

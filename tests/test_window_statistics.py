@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mesh_1d
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -90,7 +91,7 @@ def assert_stats(got, want):
 def _mesh_kw(layout):
   if layout is None:
     return {}
-  kw = {"mesh": jax.make_mesh((8,), ("data",))}
+  kw = {"mesh": mesh_1d()}
   if layout == "fsdp_per_microbatch":
     kw.update(param_specs=P("data"), gather_params="per_microbatch")
   return kw
@@ -147,7 +148,7 @@ def test_a_window_split_by_a_checkpoint_and_a_new_layout_reduces_as_one():
   uninterrupted window's (the max and min starts fill the other devices' slots)."""
   w, batch = _data()
   tx = ga.accumulate(optax.sgd(0.1), K)
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = mesh_1d()
   on_mesh = ga.micro_step(loss_fn, tx, has_aux=True, aux_reduce=SPEC, mesh=mesh)
   local = ga.micro_step(loss_fn, tx, has_aux=True, aux_reduce=SPEC)
   state, p = on_mesh.init(w, ga.microbatch(batch, 0, K)), w
@@ -208,7 +209,7 @@ def test_on_a_mesh_the_reductions_run_once_after_the_loop():
   the max of float32 and of bool, the min of float32."""
   w, batch = _data()
   tx = ga.accumulate(optax.sgd(0.1), K)
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = mesh_1d()
   reports = {}
   for name, spec in (("default", None), ("peaks", SPEC)):
     step = ga.train_step(loss_fn, tx, has_aux=True, aux_reduce=spec, mesh=mesh)

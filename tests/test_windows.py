@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batch, xent_loss
-from jax.sharding import AxisType, NamedSharding
+from helpers import assert_trees_close, init_mlp, make_batch, mesh_1d, xent_loss
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -131,7 +131,7 @@ def test_num_real_microbatches_with_model_state_per_window():
 
 @pytest.mark.slow
 def test_num_real_microbatches_on_a_mesh():
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  mesh = mesh_1d()
   params = init_mlp(jax.random.key(0), (6, 3))
   inner = optax.adam(1e-2)
   tx = ga.accumulate(inner, K)
