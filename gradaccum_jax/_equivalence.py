@@ -160,15 +160,14 @@ def check_equivalence(
   )  # fmt: skip
   if ok:
     return report
-  mbs = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]  # ga's order
   if rng is not None:  # micro-batch 0 again, with another key
     random = abs(losses[k] - losses[0]) > rtol * max(abs(losses[0]), 1e-30)
-  else:
-    random = _traces_differ(loss_fn, params, mbs[0])
+  else:  # micro-batch 0: rows 0, k, 2k, ...
+    random = _traces_differ(loss_fn, params, jax.tree.map(lambda x: x[::k], batch))
   if random:
     return dataclasses.replace(report, cause="randomness", reason=_RANDOM)
   fit = _fit_weights(losses[:k], grads[:k], loss_whole, g_whole, scale, max(rtol, 1e-4))
-  cause, reason = _diagnose(fit, mbs, None if weight_fn is None else used, mesh, k)
+  cause, reason = _diagnose(fit, batch, None if weight_fn is None else used, mesh, k)
   weights = tuple(map(float, fit)) if isinstance(fit, np.ndarray) else None
   return dataclasses.replace(report, cause=cause, reason=reason, fitted_weights=weights)
 
@@ -227,29 +226,25 @@ def _fit_weights(losses, grads, loss_whole, g_whole, scale, tol) -> Any:
   return None if np.max(np.abs(a @ w - target)) > tol or np.min(w) < -tol else w
 
 
-def _suggest_weight_fn(mbs: list[Any], fit: np.ndarray, tol: float) -> str | None:
-  """A ``"lambda mb: ..."`` whose counts match the fitted weights, or None: masks first, then
-  labels with a negative ignore index (count ``>= 0``), then padded token ids (count ``!= 0``)."""
-  found = []  # (rank, text, counts per micro-batch)
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(mbs[0])]
-  for path, xs in zip(paths, zip(*map(jax.tree.leaves, mbs), strict=True), strict=True):
-    name, x, xs = "mb" + path, np.asarray(xs[0]), [np.asarray(v) for v in xs]
-    binary = np.issubdtype(x.dtype, np.number) and x.size and np.all((x == 0) | (x == 1))
-    if x.dtype == np.bool_ or binary:
-      found.append((0, f"{name}.sum()", [v.sum() for v in xs]))
+def _suggest_weight_fn(batch: Any, k: int, fit: np.ndarray, tol: float) -> str | None:
+  """A ``"lambda mb: ..."`` whose counts per micro-batch match the fitted weights, or None: masks
+  first, then labels with a negative ignore index (``>= 0``), then padded token ids (``!= 0``)."""
+  found = []  # (rank, text, what it counts)
+  for path, x in jax.tree_util.tree_leaves_with_path(batch):
+    name, x = "mb" + jax.tree_util.keystr(path), np.asarray(x)
+    if x.dtype == np.bool_ or (np.issubdtype(x.dtype, np.number) and np.isin(x, (0, 1)).all()):
+      found.append((0, f"{name}.sum()", x != 0))
     elif np.issubdtype(x.dtype, np.integer) and x.ndim >= 2:
-      if np.any(x < 0):
-        found.append((1, f"({name} >= 0).sum()", [(v >= 0).sum() for v in xs]))
-      if np.any(x == 0):
-        found.append((2, f"({name} != 0).sum()", [(v != 0).sum() for v in xs]))
-  for _, text, counts in sorted(found, key=lambda f: f[0]):
-    counts = np.array(counts, float)
+      found += [(1, f"({name} >= 0).sum()", x >= 0)] if np.any(x < 0) else []
+      found += [(2, f"({name} != 0).sum()", x != 0)] if np.any(x == 0) else []
+  for _, text, counted in sorted(found, key=lambda f: f[0]):
+    counts = np.array([counted[i::k].sum() for i in range(k)], float)  # micro-batch i's rows
     if counts.sum() > 0 and np.max(np.abs(counts / counts.sum() - fit)) <= tol:
       return f"lambda mb: {text}"
   return None
 
 
-def _diagnose(fit, mbs, used, mesh, k) -> tuple[str, str]:
+def _diagnose(fit, batch, used, mesh, k) -> tuple[str, str]:
   """(cause, reason) from the weight fit and ``weight_fn``'s weights ``used`` (None: equal)."""
   if fit is False:
     return "unknown", (
@@ -272,7 +267,7 @@ def _diagnose(fit, mbs, used, mesh, k) -> tuple[str, str]:
       f" result differs{where}. Check that weight_fn and loss_fn see the same micro-batch, and"
       " that the tolerance suits the compute dtype."
     )
-  match = _suggest_weight_fn(mbs, fit, tol)
+  match = _suggest_weight_fn(batch, k, fit, tol)
   what = f"weight_fn={match}" if match else "the number of non-padding tokens"
   start = (
     "weight_fn's weights are not proportional to the number of items loss_fn averages over in"
