@@ -1,9 +1,11 @@
-"""``inspect_step``: what a compiled step communicates (collectives in and after its loops) and holds."""
+"""``inspect_step``: what a compiled step communicates (collectives in and after its loops), which
+loop is the window's, and what it holds."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import traceback
 from collections.abc import Callable, Mapping
@@ -13,6 +15,7 @@ import jax
 
 from gradaccum_jax._checks import check_int
 from gradaccum_jax._microbatch import CARRIED_BECAUSE, CARRIED_SCOPE, IN_PLACE_SCOPE, UNROLL_SCOPE
+from gradaccum_jax._microbatch import Core as _Core
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -31,6 +34,17 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CARRIED = re.compile(CARRIED_SCOPE + r"(\w+)")
 _UNROLL = re.compile(UNROLL_SCOPE + r"(\d+)")
 _ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype, dims)
+# Where each op was written: its ``stack_frame_id=`` in the module's tables of frames and files.
+_TABLE = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(.*?)\n\n", re.M | re.S)
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_LOCATION = re.compile(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
+# The loops the package writes: the window's scan, the window statistics' forward pass.
+_WINDOW, _STATISTICS = (f.__code__.co_qualname for f in (_Core.window, _Core.statistics))
+_PACKAGE = os.path.dirname(_Core.window.__code__.co_filename) + os.sep
+ROLES = {"window": "the window's micro-batch loop", "statistics": "the window statistics' pass",
+         "package": "another of the package's", "model": "the model's own",
+         "other": "the program's own"}  # fmt: skip
+_BACKWARD = re.compile(f"{IN_PLACE_SCOPE}|{CARRIED_SCOPE}")  # a micro-batch's pass: the model's
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -38,20 +52,27 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
   return {m[1]: m[2].splitlines() for m in _COMPUTATION.finditer(hlo_text)}
 
 
-def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
-  """The computations every ``op`` (``while``, ``conditional``) calls, and all they call."""
+def _called(line: str) -> list[str]:
+  """The computations an instruction calls: a loop's body and condition, branches, fusions..."""
+  return [n.strip().lstrip("%") for m in _CALLED.findall(line) for n in "".join(m).split(",")]
 
-  def called(line: str) -> list[str]:  # loop body and condition, branches, fusions, ...
-    return [n.strip().lstrip("%") for m in _CALLED.findall(line) for n in "".join(m).split(",")]
 
-  stack = [c for lines in comps.values() for ln in lines if f" {op}(" in ln for c in called(ln)]
-  seen: set[str] = set()
+def _closure(comps: dict[str, list[str]], names: list[str]) -> set[str]:
+  """``names`` and every computation they call, transitively."""
+  stack, seen = list(names), set()
   while stack:
     name = stack.pop()
     if name not in seen and name in comps:
       seen.add(name)
-      stack.extend(c for line in comps[name] for c in called(line))
+      stack.extend(c for line in comps[name] for c in _called(line))
   return seen
+
+
+def _reachable(comps: dict[str, list[str]], op: str) -> set[str]:
+  """The computations every ``op`` (``while``, ``conditional``) calls, and all they call."""
+  return _closure(
+    comps, [c for ls in comps.values() for ln in ls if f" {op}(" in ln for c in _called(ln)]
+  )
 
 
 def _shapes_and_bytes(result_type: str) -> tuple[tuple[tuple[int, ...], ...], int]:
@@ -76,12 +97,65 @@ class Collective(NamedTuple):
 
 
 class Loop(NamedTuple):
-  """One while loop of a compiled program and its trip count (None when not static)."""
+  """One while loop of a compiled program: its trip count (None when not static), its role."""
 
   name: str
   computation: str
   trip_count: int | None
   nested: bool  # inside another loop
+  role: str | None = None  # a key of ROLES; None where the program does not say
+  source: str | None = None  # "file:line (function)" where it was written
+
+
+def _loops(comps: dict[str, list[str]], text: str) -> tuple[Loop, ...]:
+  """Every while loop, where it was written (its innermost stack frame) and its role."""
+  t = {m[1]: dict(r.split(" ", 1) for r in m[2].splitlines()) for m in _TABLE.finditer(text)}
+
+  def source(line: str) -> tuple[str, str, str] | None:  # (file, function, line number)
+    frame = (m := _FRAME.search(line)) and t.get("StackFrames", {}).get(m[1])
+    if not frame:
+      return None
+    loc = _LOCATION.search(t["FileLocations"][re.search(r"location_id=(\d+)", frame)[1]])
+    return t["FileNames"][loc[1]].strip('"'), t["FunctionNames"][loc[2]].strip('"'), loc[3]
+
+  found = [  # (name, computation, trips, the computations it runs, source, its HLO line)
+    (m[1], comp, _TRIPS.search(line), _closure(comps, _called(line)), source(line), line)
+    for comp, lines in comps.items() for line in lines if (m := _WHILE.match(line))
+  ]  # fmt: skip
+  out = []
+  for name, comp, trips, _, src, line in found:
+    outer = [f[4] for f in found if comp in f[3]]  # where the loops around it were written
+    role = _role(src, outer, bool(_BACKWARD.search(line)))
+    where = src and f"{src[1]}, {os.path.basename(src[0])}:{src[2]}"
+    out.append(Loop(name, comp, trips and int(trips[1]), bool(outer), role, where))
+  return tuple(out)
+
+
+def _role(src: tuple | None, outer: list, backward: bool = False) -> str | None:
+  """A loop's key of ROLES from where it and the loops around it were written."""
+  if src is None:
+    return None
+  if src[0].startswith(_PACKAGE):
+    return {_WINDOW: "window", _STATISTICS: "statistics"}.get(src[1], "package")
+  window = {"window", "statistics"} & {_role(o, []) for o in outer}
+  return "model" if window or backward else "other"
+
+
+# What to do about a collective over budget (check's message): in a loop, and outside loops.
+_IN_LOOP = (
+  "move the collectives in a loop out of it (reduce once per window, e.g."
+  " ga.train_step(..., mesh=mesh))"
+)
+_AFTER_LOOP = (
+  "the ops outside loops run once per window already; an all-reduce has one dtype and one"
+  " reduction, so a step takes one per dtype and reduction it needs. A ga step takes one for its"
+  " sums (the loss, the gradients, aux sums and means, integer sums carried in its float32, float"
+  " model state averaged) and at most one more for each of: the window statistics (window_stats=,"
+  " reduced before the loop): their sums and means, each dtype of their maxima and of their"
+  " minima; the per-term totals (a weight_fn returning a dict, summed before the loop); each"
+  " dtype of aux maxima and of aux minima; each dtype of integer and key model state (maxed; bool"
+  " as int32). Raise max_after_loop to the count listed"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,22 +163,17 @@ class StepReport:
   """What a compiled step communicates and holds: the result of :func:`inspect_step`.
 
   Attributes:
-    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops (the micro-batch scan),
-      and outside every loop; kinds as in HLO (``KINDS``).
-    in_loop_bytes, after_loop_bytes: ``{kind: bytes}`` those ops move per execution.
-    peak_bytes: per device, temp + arguments + outputs - aliased (None without a memory analysis).
-    collectives: every collective op, a ``Collective(kind, name, computation, shapes, bytes,
-      in_loop, in_branch, text)``; ``bytes`` is its result's size on one device per execution
-      (summed over a tuple; docs/verifying.md). An op in a loop runs once per trip.
-    loops: every while loop, a ``Loop(name, computation, trip_count, nested)``.
-    temp_bytes, argument_bytes, output_bytes, alias_bytes: the parts of
-      ``compiled.memory_analysis()`` per device (None if the backend has none).
-    grads_in_place: whether the backward pass adds the gradients into the accumulator in place
-      (``grads_in_place``; docs/models.md, "Stacked layers").
-    carried_because: for a ``ga`` step whose gradients are carried, why (the JAX version, an
-      option or unit that needs each micro-batch's gradient, a dtype); else None.
-    unroll: for a ``ga`` step, the micro-batches per trip of its loop (``unroll=``; 1 rolled,
-      as a short window's loop runs); None for another program.
+    collectives: every collective op, a :class:`Collective`; ``bytes`` is its result's size on
+      one device per execution (docs/verifying.md). An op in a loop runs once per trip.
+    loops: every while loop, a :class:`Loop` with its ``role`` (``ROLES``); ``window_loop`` is
+      the window's micro-batch loop, None without one.
+    in_loop, after_loop: ``{kind: number of ops}`` inside the while loops and outside them;
+      ``in_loop_bytes``, ``after_loop_bytes``: the bytes they move per execution.
+    temp_bytes, argument_bytes, output_bytes, alias_bytes: ``compiled.memory_analysis()`` per
+      device (None if the backend has none); ``peak_bytes``: temp + arguments + outputs - alias.
+    grads_in_place: whether the backward pass adds the gradients into the accumulator in place.
+    carried_because: for a ``ga`` step whose gradients are carried, why; else None.
+    unroll: for a ``ga`` step, the micro-batches per trip of its loop; None for another program.
   """
 
   collectives: tuple[Collective, ...]
@@ -119,20 +188,16 @@ class StepReport:
 
   @classmethod
   def from_compiled(cls, compiled: Any) -> StepReport:
-    """The report of a ``jax.stages.Compiled`` (``jitted.lower(...).compile()``): the collectives,
-    loops and gradient scopes of its HLO text, and its memory analysis."""
+    """The report of a ``jax.stages.Compiled``: its HLO text and memory analysis."""
     text = compiled.as_text()
     comps = _computations(text)
     loops, branches = _reachable(comps, "while"), _reachable(comps, "conditional")
-    found, whiles = [], []
+    found = []
     for comp, lines in comps.items():
-      for line in lines:
-        if (m := _OP.match(line)) and m.group(4) != "-start":  # counted at its -done
-          where = (comp in loops, comp in branches, line.strip())
+      for m in filter(None, map(_OP.match, lines)):
+        if m[4] != "-start":  # counted at its -done
+          where = (comp in loops, comp in branches, m.string.strip())
           found.append(Collective(m[3], m[1], comp, *_shapes_and_bytes(m[2]), *where))
-        elif m := _WHILE.match(line):
-          trips = _TRIPS.search(line)
-          whiles.append(Loop(m.group(1), comp, trips and int(trips.group(1)), comp in loops))
     mem = compiled.memory_analysis()
     parts = ("temp", "argument", "output", "alias")
     sizes = [None if mem is None else int(getattr(mem, f"{p}_size_in_bytes")) for p in parts]
@@ -140,7 +205,7 @@ class StepReport:
     why = None if in_place or not (m := _CARRIED.search(text)) else CARRIED_BECAUSE.get(m[1])
     unrolled = _UNROLL.search(text)
     unroll = int(unrolled[1]) if unrolled else (1 if in_place or CARRIED_SCOPE in text else None)
-    return cls(tuple(found), tuple(whiles), *sizes, in_place, why, unroll)
+    return cls(tuple(found), _loops(comps, text), *sizes, in_place, why, unroll)
 
   def _sum(self, in_loop: bool, bytes_: bool) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -154,6 +219,10 @@ class StepReport:
   after_loop_bytes = property(lambda self: self._sum(False, True))
 
   @property
+  def window_loop(self) -> Loop | None:
+    return next((lp for lp in self.loops if lp.role == "window"), None)
+
+  @property
   def peak_bytes(self) -> int | None:
     if self.temp_bytes is not None:
       return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
@@ -165,17 +234,13 @@ class StepReport:
     )
 
   def check(self, max_in_loop: Any = 0, max_after_loop: Any = None, max_peak_bytes=None) -> None:
-    """Raises ValueError naming every collective and byte over budget; for users' tests.
+    """Raises a ValueError naming every collective and byte over budget; for users' tests.
 
     Args:
       max_in_loop: the most ops of each kind inside loops: an int for every kind,
         ``{kind: count}`` for the kinds named, or None (no limit).
       max_after_loop: the same, outside every loop.
       max_peak_bytes: the most per-device :attr:`peak_bytes`, or None.
-
-    Raises:
-      ValueError: listing each collective (where, its bytes, its dtypes) and peak over budget,
-        with what to change; an unknown kind.
     """
 
     def described(c: Collective) -> str:  # where it is, what it moves and in which dtypes
@@ -198,15 +263,7 @@ class StepReport:
           ops = [c for c in self.collectives if c.kind == kind and c.in_loop == in_loop]
           listing = ", ".join(map(described, ops))
           problems.append(f"{count} {kind} {where} (allowed {budget[kind]}): {listing}")
-          advice[in_loop] = (
-            "move the collectives in a loop out of it (reduce once per window, e.g."
-            " ga.train_step(..., mesh=mesh))"
-            if in_loop
-            else "the ops outside loops run once per window already; an all-reduce has one dtype"
-            " and one reduction, so a step takes one per dtype and reduction it needs (a ga"
-            " step: one for its sums, integer sums carried in its float32, and one more per"
-            " dtype of aux maxima and of minima): raise max_after_loop to the count listed"
-          )
+          advice[in_loop] = _IN_LOOP if in_loop else _AFTER_LOOP
     if max_peak_bytes is not None:
       if self.peak_bytes is None:
         raise ValueError("max_peak_bytes given, but the backend reports no memory analysis.")
@@ -219,11 +276,13 @@ class StepReport:
       )
 
   def __repr__(self) -> str:
-    trips = ", ".join(
-      f"%{lp.name}: {'?' if lp.trip_count is None else lp.trip_count} trips" for lp in self.loops
-    )
+    groups: dict[tuple, list[Loop]] = {}  # the window's loop first, then the package's, ...
+    for lp in sorted(self.loops, key=lambda lp: list(ROLES).index(lp.role) if lp.role else 9):
+      outside = lp.role in ("model", "other")  # where the model's or optimizer's loop is written
+      groups.setdefault((lp.role, lp.source if outside else None), []).append(lp)
+    loops = "; ".join(_loop_words(*key, lps) for key, lps in groups.items())
     head = (
-      f"StepReport: {len(self.loops)} loop(s){f' ({trips})' if trips else ''}, peak"
+      f"StepReport: {len(self.loops)} loop(s){f' ({loops})' if loops else ''}, peak"
       f" {self.peak_bytes} bytes per device ({self._parts()}), gradients"
       f" {'added in place' if self.grads_in_place else 'carried'}"
       f"{f' ({self.carried_because})' if self.carried_because else ''}"
@@ -238,10 +297,19 @@ class StepReport:
     return "\n".join([head, row("collective", "in loop", "bytes", "after loop", "bytes"), *rows])
 
 
+def _loop_words(role: str | None, source: str | None, loops: list[Loop]) -> str:
+  """E.g. "the model's own %while.1, %while.2: 2 trips (model.py:3 (block))"."""
+  trips = ", ".join(
+    dict.fromkeys("?" if lp.trip_count is None else str(lp.trip_count) for lp in loops)
+  )
+  names = ", ".join(f"%{lp.name}" for lp in loops)
+  return (
+    f"{ROLES[role] + ' ' if role else ''}{names}: {trips} trips{f' ({source})' if source else ''}"
+  )
+
+
 def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepReport:
   """Compiles ``step`` on the given arguments, runs nothing, and reports its collectives and memory.
-
-  The report's fields are listed in :class:`StepReport`; see docs/verifying.md.
 
   Args:
     step: a ``ga`` step, a ``jax.jit`` function (its ``lower`` is used), or a function to jit.
@@ -249,18 +317,15 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
     **kwargs: its keyword arguments.
 
   Returns:
-    A :class:`StepReport`; ``report.check(max_in_loop=0)`` raises on a collective in the loop.
-
-  Raises:
-    TypeError: if ``step`` is not callable.
-    ValueError: if ``step`` cannot be lowered and compiled on these arguments.
+    A :class:`StepReport` (docs/verifying.md); ``report.check(max_in_loop=0)`` raises on a
+    collective in a loop.
 
   Examples:
     >>> import jax, jax.numpy as jnp, gradaccum_jax as ga
     >>> step = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, 4)[0])
     >>> report = ga.inspect_step(step, jnp.ones(3))
-    >>> isinstance(report, ga.StepReport), report.in_loop, [lp.trip_count for lp in report.loops]
-    (True, {}, [4])
+    >>> report.in_loop, [lp.trip_count for lp in report.loops], report.window_loop
+    ({}, [4], None)
   """
   if not callable(step):
     raise TypeError(f"step must be a function (a ga step or a jax.jit one), got {step!r}.")

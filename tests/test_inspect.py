@@ -1,6 +1,9 @@
 """ga.inspect_step and ga.check_step on 8 CPU devices: the collectives of the compiled step, where
 they run and what they move, its memory, and one window against the whole-batch update."""
 
+import contextlib
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +207,45 @@ def test_check_step_passes_for_ga_steps(specs, gather):
     np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@contextlib.contextmanager
+def compiles():
+  """The programs XLA compiles inside the block, as jax logs them."""
+  names = []
+
+  class Handler(logging.Handler):
+    def emit(self, record):
+      if "Finished XLA compilation of " in (message := record.getMessage()):
+        names.append(message.split("compilation of ")[1].split(" in ")[0])
+
+  handler = Handler()
+  logging.getLogger("jax").addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      yield names
+  finally:
+    logging.getLogger("jax").removeHandler(handler)
+
+
+@pytest.mark.slow
+def test_each_check_compiles_the_step_and_one_reference():
+  """inspect_step compiles the step once; check_step runs it (one compile) and one reference
+  program (the whole batch's gradient and what inner_tx makes of it and of the gradients near
+  it); check_equivalence compiles the accumulation and one program for the whole batch and
+  every micro-batch. Nothing else compiles: no copy, no eager op on the host's numbers."""
+  inner = optax.adam(1e-2)
+  for check, expected in (("inspect_step", 1), ("check_step", 2), ("check_equivalence", 2)):
+    step, args = built(4, inner=inner)
+    jax.block_until_ready(args)
+    with compiles() as names:
+      if check == "inspect_step":
+        ga.inspect_step(step, *args)
+      elif check == "check_step":
+        assert ga.check_step(step, xent_loss, inner, *args).ok
+      else:
+        assert ga.check_equivalence(xent_loss, args[0], args[2], 4, mesh=mesh_1d()).ok
+    assert len(names) == expected, (check, names)
+
+
 def shard_map_step(inner, loss_fn, reduce):
   """A hand-written data-parallel step: per-device gradients of ``loss_fn``, ``reduce``d."""
   mesh = mesh_1d()
@@ -324,6 +366,115 @@ def test_integer_window_statistics_share_the_one_all_reduce_after_the_loop():
   message = str(err.value)
   assert "run once per window already" in message and "out of it" not in message, message
   assert message.count("[f32]") == 2, message  # the sums' and the max's, each named
+
+
+# --- a model of stacked layers: which loop is the window's, which reductions come before it -----
+
+L = 3  # blocks stacked under one lax.scan
+
+
+def stacked_params():
+  rng = np.random.default_rng(0)
+  return {
+    "blocks": rng.standard_normal((L, SIZES[0], SIZES[0])).astype(np.float32) / 3,
+    "out": rng.standard_normal((SIZES[0], SIZES[-1])).astype(np.float32) / 3,
+  }
+
+
+def stacked_logits(params, x):
+  """L tanh blocks under one lax.scan (the model's own loop), then a linear head."""
+  h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["blocks"])
+  return h @ params["out"]
+
+
+def stacked_stats(params, mb):
+  """Window statistics, forward only: a count (summed) and the largest logit."""
+  return {"rows": jnp.sum(mb["y"] >= 0), "top": jnp.max(stacked_logits(params, mb["x"]))}
+
+
+def stacked_xent(params, mb, stats=None):
+  logp = jax.nn.log_softmax(stacked_logits(params, mb["x"]))
+  nll = -jnp.mean(jnp.take_along_axis(logp, mb["y"][:, None], axis=1))
+  # The loop reads both statistics (XLA may join a reduction the loop does not read with the one
+  # after the loop: one all-reduce fewer).
+  return nll if stats is None else nll + 1e-3 * (stats["top"] + stats["rows"])
+
+
+def stacked_terms(params, mb):
+  return {"xent": stacked_xent(params, mb), "l2": 1e-3 * jnp.sum(params["out"] ** 2)}
+
+
+def stacked_step(k, loss_fn=stacked_xent, mesh=None, **kwargs):
+  """``(step, its arguments)`` of ga.train_step on the stacked model, on ``mesh`` if given."""
+  tx = ga.accumulate(optax.sgd(0.1), k)
+  step = ga.train_step(loss_fn, tx, mesh=mesh, **kwargs)
+  p, batch = stacked_params(), data(D * k * 2)
+  if mesh is not None:
+    p, batch = put(p, mesh, P()), put(batch, mesh, P("data"))
+  return step, (p, tx.init(p), batch)
+
+
+STATS = {"window_stats": stacked_stats, "window_stats_reduce": {"rows": "sum"}}  # "top": a mean
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "loss_fn,kwargs,after",
+  [
+    (stacked_xent, {}, 1),
+    (stacked_xent, STATS, 2),  # + the statistics' sums, before the loop
+    (stacked_xent, {**STATS, "window_stats_reduce": {"rows": "sum", "top": "max"}}, 3),  # + a max
+    (stacked_terms, {"weight_fn": lambda mb: {"xent": jnp.sum(mb["y"] >= 0), "l2": 1.0}}, 2),
+  ],
+  ids=["plain", "window_stats", "window_stats_max", "per_term_weights"],
+)
+def test_each_reduction_before_the_loop_is_one_all_reduce_that_the_budget_message_names(
+  loss_fn, kwargs, after
+):
+  """Window statistics and per-term totals are reduced before the loop, once per window: one
+  all-reduce for their sums, one per reduction and dtype of their maxima (docs/verifying.md's
+  budget). Over a budget of 1, the message names these causes and says they run once a window."""
+  step, args = stacked_step(4, loss_fn, mesh_1d(), **kwargs)
+  report = ga.inspect_step(step, *args)
+  assert report.in_loop == {} and report.after_loop == {"all-reduce": after}, report
+  report.check(max_in_loop=0, max_after_loop={"all-reduce": after})
+  if after == 1:
+    return
+  with pytest.raises(ValueError, match=f"{after} all-reduce outside loops") as err:
+    report.check(max_in_loop=0, max_after_loop={"all-reduce": 1})
+  message = " ".join(str(err.value).split())
+  for cause in ("window statistics (window_stats=", "per-term totals", "aux maxima", "model state"):
+    assert cause in message, (cause, message)
+  assert "run once per window already" in message and "out of it" not in message, message
+
+
+@pytest.mark.slow
+def test_the_report_names_the_window_loop_the_statistics_pass_and_the_models_own_loops():
+  """The window's micro-batch loop (k trips, or k / unroll), the window statistics' forward pass
+  before it (k trips) and the model's lax.scan over its blocks (L trips, in both), by role."""
+  k = 4
+  for unroll in (1, 2):
+    step, args = stacked_step(k, window_stats=stacked_stats, unroll=unroll)
+    report = ga.inspect_step(step, *args)
+    roles = [lp.role for lp in report.loops]
+    assert roles.count("window") == roles.count("statistics") == 1, report.loops
+    window = report.window_loop
+    assert window.trip_count == k // unroll and not window.nested, window
+    assert "_microbatch.py" in window.source, window
+    (stats,) = [lp for lp in report.loops if lp.role == "statistics"]
+    assert stats.trip_count == k and not stats.nested, stats
+    model = [lp for lp in report.loops if lp.role == "model"]
+    assert model and {lp.trip_count for lp in model} == {L}, report.loops
+    assert all(lp.nested and "stacked_logits" in lp.source for lp in model), model
+    assert set(roles) == {"window", "statistics", "model"}, report.loops
+    text = repr(report)
+    assert f"the window's micro-batch loop %{window.name}: {k // unroll} trips" in text, text
+    assert f"the window statistics' pass %{stats.name}: {k} trips" in text, text
+    assert f"{L} trips (stacked_logits, test_inspect.py:" in text and "the model's own" in text
+  # The same scan in a plain jitted step: no window loop, the program's own.
+  own = ga.inspect_step(jax.jit(jax.grad(stacked_xent)), args[0], args[2])
+  assert own.window_loop is None and {lp.role for lp in own.loops} == {"other"}, own.loops
+  assert "the program's own" in repr(own) and "window" not in repr(own), repr(own)
 
 
 def test_inspect_step_passes_the_packages_own_errors_on_as_they_are():
