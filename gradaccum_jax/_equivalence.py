@@ -368,6 +368,11 @@ _GRADIENT_DIFFERS = (
   " weight_fn), or each micro-batch clipped (put clipping inside ga.accumulate's inner"
   " optimizer). ga.check_equivalence(loss_fn, params, batch, k) diagnoses the loss."
 )
+_ON_A_MESH = (
+  " On a mesh, also a term that is not linear in a micro-batch's rows (a per-micro-batch"
+  " balance loss, a per-micro-batch normalization), which each device computes on its own rows:"
+  " read the window's statistics with window_stats= instead (docs/data_parallel.md)."
+)
 _UPDATE_DIFFERS = (
   "the update differs by more than inner_tx makes of a gradient within rtol{}: check that"
   " inner_tx is the optimizer the step applies (its learning rate, schedule and state)."
@@ -443,11 +448,12 @@ class CheckWindow(NamedTuple):
   state: Any  # the step's optimizer state before it
   new_state: Any  # and after, or None
   metrics: Any  # the step's metrics dict, or None
+  devices: int = 1  # the devices its arguments were laid out on
 
   @classmethod
   def after(cls, host: tuple, loss_fn: Any, new: Any, new_state: Any, metrics: Any) -> CheckWindow:
     """The window from ``host`` (:func:`host_arguments`) and what the step returned."""
-    return cls(host[0], host[2], loss_fn, _host(new), host[1], _host(new_state), metrics)
+    return cls(host[0], host[2], loss_fn, _host(new), host[1], _host(new_state), metrics, host[3])
 
 
 HOW = (
@@ -510,7 +516,8 @@ def _ga_state(tree) -> Any:
 
 
 def host_arguments(params, state, batch) -> Any:
-  """Host copies of ``(params, state, batch)``, refusing a state inside a window."""
+  """``(params, state, batch, devices)``: host copies, and the devices they were laid out on;
+  a state inside a window refused."""
   ga = _ga_state(state)
   if ga is not None and int(np.asarray(ga.micro_step)) != 0:
     raise ValueError(
@@ -518,7 +525,9 @@ def host_arguments(params, state, batch) -> Any:
       " the step would add to this batch's: check_step compares one whole window with the whole"
       " batch. Pass a state at a window's start (tx.init(params), or one a closing call returned)."
     )
-  return _host((params, state, batch))
+  arrays = [x for x in jax.tree.leaves((params, state, batch)) if isinstance(x, jax.Array)]
+  devices = max((len(x.sharding.device_set) for x in arrays), default=1)
+  return (*_host((params, state, batch)), devices)
 
 
 def _subtrees(tree: Any) -> list[Any]:
@@ -680,7 +689,7 @@ def _judge(window: CheckWindow, ref: _Reference, rtol: float, mine: Any) -> Step
   if not scale > 0 and not grad_rel:
     reason = _ZERO_UPDATE.format(what)
   elif not all(e <= rtol for e in errors):
-    reason = _GRADIENT_DIFFERS
+    reason = _GRADIENT_DIFFERS + (_ON_A_MESH if window.devices > 1 else "")
   elif not all(within.values()):
     reason = _UPDATE_DIFFERS.format(", while its gradient is the whole batch's" if grad_rel else "")
   else:  # the update agrees: verified only if the gradient was seen

@@ -776,3 +776,28 @@ def token_xent_of(logits, batch):
   logp = jax.nn.log_softmax(logits)
   nll = -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1)[..., 0]
   return jnp.sum(nll * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def test_check_step_names_a_term_nonlinear_in_the_rows_on_a_mesh():
+  """On 8 devices a per-micro-batch term that is not linear in its rows (the square of the
+  micro-batch's mean prediction) is computed on each device's rows: NOT equivalent, and the
+  reason names that cause (before: only causes a mesh does not make)."""
+  mesh = jax.make_mesh((8,), ("data",))
+
+  def loss(w, b):
+    pred = b["x"] @ w
+    return jnp.mean((pred - b["y"]) ** 2) + jnp.mean(pred) ** 2
+
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal(3), jnp.float32)
+  batch = {"x": rng.standard_normal((64, 3)).astype(np.float32), "y": np.zeros(64, np.float32)}
+  tx = ga.accumulate(optax.sgd(0.1), K)
+  step = ga.train_step(loss, tx, mesh=mesh)
+  args = (
+    jax.device_put(w, NamedSharding(mesh, P())),
+    jax.device_put(batch, NamedSharding(mesh, P("data"))),
+  )
+  check = ga.check_step(step, loss, optax.sgd(0.1), args[0], tx.init(args[0]), args[1])
+  assert not check.ok and "On a mesh, also a term that is not linear" in check.reason, str(check)
+  alone = ga.check_step(ga.train_step(loss, tx), loss, optax.sgd(0.1), w, tx.init(w), batch)
+  assert not alone.ok and "On a mesh" not in alone.reason  # a per-micro-batch term: one device
