@@ -10,12 +10,21 @@ so a wrong scale or weight shows in the params one to one (Adam would hide it).
 A second matrix crosses compute dtype (float32, bfloat16, float16 with ``ga.DynamicLossScale``)
 x weighting (even, uneven tokens with an empty micro-batch, the same weights times 1,000, as
 70,000-token micro-batches weigh) x ``grads_in_place``, against the whole batch computed in the
-same compute dtype (:func:`precision_cells`). A third crosses a loss of several terms, each
+same compute dtype (:func:`is_precision_cell`). A third crosses a loss of several terms, each
 normalized over the window by its own weights, with the fused entry points, accumulator dtypes,
-meshes and weightings (:func:`term_cells`). A path added later joins the matrices."""
+meshes and weightings (:func:`is_term_cell`), a fourth the fused steps' unrolled loop
+(:func:`is_unroll_cell`). A path added later joins the matrices.
 
+The matrices are one set of axes (:data:`AXES`) and the rules of :func:`is_cell`: the full
+product, run with ``-m "full or not full"``. The default run is a covering array of them
+(:func:`covering`): every triple of values on the axes where defects were found (:data:`TRIPLES`)
+and every pair of values on any two axes, about a quarter of the cells; the rest are marked
+``full`` (and ``slow``) and left out by ``addopts``' ``-m "not full"``."""
+
+import collections
 import dataclasses
 import functools
+import itertools as it
 
 import flax.linen as nn
 import jax
@@ -559,77 +568,164 @@ RUNNERS = {
 }
 
 
-# --- the cells ----------------------------------------------------------------------------
+# --- the cells: the axes, the rules that make a combination a cell, the covering array --------
+
+AXES = {  # a Cell's fields, each with its values
+  "entry": ENTRIES,
+  "dtype": DTYPES,  # the accumulator's
+  "mesh": (None, "replicated", "fsdp"),
+  "weighted": (False, True),
+  "state": (False, True),
+  "compute": (None, "float32", "bfloat16", "float16"),
+  "big": (False, True),
+  "in_place": (True, False),
+  "terms": (False, True),
+  "unroll": (1, 2, K),
+}
+# The axes where defects were found, run in every triple of their values: entry point x
+# accumulator dtype x mesh (micro_step alone applied k times a narrow accumulator's mean; narrow
+# accumulators on a mesh) and compute dtype x weighting (even, tokens, tokens times BIG: the
+# `weighted` and `big` axes) x in place (float16 in place with the large weights, a defect only
+# the second matrix's crossing found). Every other combination: every pair of values.
+TRIPLES = (("entry", "dtype", "mesh"), ("compute", "weighted", "big", "in_place"))
+FUSED = ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx")
+PRECISION_ENTRIES = ("train_step", "train_step_donated", "micro_step", "value_and_grad")
+PRECISION_ENTRIES += ("linen", "nnx")
 
 
-def fast_cell(entry, dtype, mesh, weighted, state):
-  """The fast tier's cells (``-m "not slow"``): float32 through every entry point without a mesh
-  (Linen and NNX unweighted), the other dtypes through the weighted fused step; the full suite
-  runs every cell."""
-  if mesh is not None:
+def is_first_cell(cell):
+  """The first matrix (no compute dtype, terms or unroll): every combination; on a mesh a narrow
+  accumulator (each device's running mean, weighed by its weight in the one reduction) weighted
+  without model state, and even with it."""
+  if cell.entry == "tx_update" and cell.mesh == "fsdp":
+    return False  # tx.update takes no mesh=: GSPMD runs the user's step (replicated)
+  if cell.state and cell.entry == "tx_update":
+    return False  # streaming mode leaves the model state to the user's step
+  if cell.mesh and cell.dtype in NARROW and cell.entry != "tx_update":
+    # On a mesh a narrow accumulator weighted, or with model state; float16 by the two
+    # paths (the fused step's reduction, micro_step's slots), bfloat16 by every entry.
+    return cell.weighted != cell.state and (cell.dtype != "float16" or cell.entry in FP16_MESH)
+  return True
+
+
+def is_term_cell(cell):
+  """A loss of several terms through the fused entry points (the streaming ones refuse it), in
+  float32 and bfloat16, with and without a mesh, even and weighted by tokens per term."""
+  if cell.entry not in FUSED or cell.dtype not in ("float32", "bfloat16") or cell.state:
     return False
-  if dtype == "float32":
-    return not (entry in ("linen", "nnx") and weighted)
-  return entry == "train_step" and weighted and not state
+  if cell.mesh and cell.dtype in NARROW and not cell.weighted:
+    return False  # a narrow accumulator on a mesh: weighted, as in the first matrix
+  return True
+
+
+def is_unroll_cell(cell):
+  """The fused entry points with their loop unrolled (2 micro-batches per trip, and all of
+  them), with and without a mesh, float32 even with model state and a bfloat16 running mean
+  weighted without."""
+  kinds = (("float32", False, True), ("bfloat16", True, False))
+  return cell.entry in FUSED and (cell.dtype, cell.weighted, cell.state) in kinds
+
+
+def is_precision_cell(cell):
+  """Every entry point that takes ``compute_dtype`` and ``grads_in_place`` x compute dtype x
+  weighting (even, uneven tokens, the same times BIG) x in place or carried, with a float32
+  accumulator; on a mesh, the fused step in 16 bits with the large weights."""
+  if cell.entry not in PRECISION_ENTRIES or cell.dtype != "float32" or cell.state:
+    return False
+  if cell.big and not cell.weighted:
+    return False  # BIG multiplies the tokens' weights
+  if cell.compute == "float32" and cell.in_place and not cell.big:
+    return False  # float32 in place with even or token weights: the first matrix's cell
+  if cell.mesh is not None:
+    return cell.entry == "train_step" and cell.compute != "float32" and cell.big
+  return True
+
+
+def is_cell(cell):
+  """Whether a combination of the axes' values runs: a cell of the first matrix, of the terms or
+  unroll matrices (all three: the big-batch test, the params' dtype as the compute dtype, in
+  place) or of the compute dtype's (its own test; one term, unroll 1)."""
+  if cell.compute is not None:
+    return not cell.terms and cell.unroll == 1 and is_precision_cell(cell)
+  if cell.big or not cell.in_place:
+    return False  # the large weights and carried gradients: the compute dtype's cells
+  if cell.terms:
+    return cell.unroll == 1 and is_term_cell(cell)
+  return is_unroll_cell(cell) if cell.unroll != 1 else is_first_cell(cell)
+
+
+def is_fast(cell):
+  """The fast tier's cells (``-m "not slow"``), none on a mesh: float32 through every entry point
+  (Linen and NNX unweighted) and the other accumulator dtypes through the weighted fused step;
+  the compute dtypes in place through ``train_step``; its terms in float32 and its loop unrolled
+  by 2, float32."""
+  if cell.mesh is not None:
+    return False
+  if cell.compute is not None:
+    return cell.entry == "train_step" and cell.in_place
+  if cell.terms:
+    return cell.entry == "train_step" and cell.dtype == "float32"
+  if cell.unroll != 1:
+    return cell.entry == "train_step" and cell.dtype == "float32" and cell.unroll == 2
+  if cell.dtype == "float32":
+    return not (cell.entry in ("linen", "nnx") and cell.weighted)
+  return cell.entry == "train_step" and cell.weighted and not cell.state
+
+
+@functools.cache
+def full_product():
+  """Every cell: the combinations of the axes' values that :func:`is_cell` keeps."""
+  every = (Cell(**dict(zip(AXES, values, strict=True))) for values in it.product(*AXES.values()))
+  return tuple(cell for cell in every if is_cell(cell))
+
+
+@functools.cache
+def pairs_and_triples(cell):
+  """What a cell covers: its values on every two axes, and on each group of :data:`TRIPLES`."""
+  values = [(axis, getattr(cell, axis)) for axis in AXES]
+  named = [tuple((axis, getattr(cell, axis)) for axis in group) for group in TRIPLES]
+  return frozenset([*it.combinations(values, 2), *named])
+
+
+@functools.cache
+def covering():
+  """The default run: the fast tier's cells, then (greedily) the cell that covers the most pairs
+  and named triples not yet covered, the first in :func:`full_product`'s order on a tie, until
+  every one some cell holds is covered; then, latest first, each added cell whose pairs and
+  triples the others cover is left out. Deterministic, and every added cell covers something
+  no other covering cell does."""
+  every = full_product()
+  chosen = [cell for cell in every if is_fast(cell)]
+  seeded, covered = len(chosen), set().union(*map(pairs_and_triples, chosen))
+  needed = set().union(*map(pairs_and_triples, every))
+  while covered != needed:
+    best = max(every, key=lambda cell: len(pairs_and_triples(cell) - covered))
+    chosen.append(best)
+    covered |= pairs_and_triples(best)
+  holders = collections.Counter(t for cell in chosen for t in pairs_and_triples(cell))
+  for cell in reversed(chosen[seeded:]):
+    if all(holders[t] > 1 for t in pairs_and_triples(cell)):
+      chosen.remove(cell)
+      holders.subtract(pairs_and_triples(cell))
+  return frozenset(chosen)
+
+
+def as_param(cell):
+  """A cell's test parameter: fast, slow, or slow and ``full`` (beyond the covering array: left
+  out by default, run with ``-m full``)."""
+  marks = [] if is_fast(cell) else [pytest.mark.slow]
+  marks += [] if cell in covering() else [pytest.mark.full]
+  return pytest.param(cell, id=str(cell), marks=marks)
 
 
 def cells():
-  """Every combination; on a mesh a narrow accumulator (each device's running mean, weighed
-  by its weight in the one reduction) weighted without model state, and even with it."""
-  out = []
-  for entry in ENTRIES:
-    for dtype in DTYPES:
-      for mesh in (None, "replicated", "fsdp"):
-        if entry == "tx_update" and mesh == "fsdp":
-          continue  # tx.update takes no mesh=: GSPMD runs the user's step (replicated)
-        for weighted in (False, True):
-          for state in (False, True):
-            if state and entry == "tx_update":
-              continue  # streaming mode leaves the model state to the user's step
-            if mesh and dtype in NARROW and entry != "tx_update":
-              # On a mesh a narrow accumulator weighted, or with model state; float16 by the two
-              # paths (the fused step's reduction, micro_step's slots), bfloat16 by every entry.
-              if weighted == state or (dtype == "float16" and entry not in FP16_MESH):
-                continue
-            marks = [] if fast_cell(entry, dtype, mesh, weighted, state) else [pytest.mark.slow]
-            cell = Cell(entry, dtype, mesh, weighted, state)
-            out.append(pytest.param(cell, id=str(cell), marks=marks))
-  return out + term_cells() + unroll_cells()
+  """The big-batch test's cells: the first matrix's, the terms' and the unrolled loops'."""
+  return [as_param(cell) for cell in full_product() if cell.compute is None]
 
 
-def unroll_cells():
-  """The fused entry points with their loop unrolled (2 micro-batches per trip, and all of
-  them), with and without a mesh and model state, float32 and a bfloat16 running mean; fast:
-  ``train_step`` float32 without a mesh."""
-  out = []
-  for entry in ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx"):
-    for mesh in (None, "replicated", "fsdp"):
-      for dtype, weighted, state in (("float32", False, True), ("bfloat16", True, False)):
-        for unroll in (2, K):
-          cell = Cell(entry, dtype, mesh, weighted, state, unroll=unroll)
-          fast = entry == "train_step" and mesh is None and dtype == "float32" and unroll == 2
-          out.append(pytest.param(cell, id=str(cell), marks=[] if fast else [pytest.mark.slow]))
-  return out
-
-
-TERM_ENTRIES = ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx")
-
-
-def term_cells():
-  """A loss of several terms through the fused entry points (the streaming ones refuse it), in
-  float32 and bfloat16, with and without a mesh, even and weighted by tokens per term; fast:
-  float32 through ``train_step`` without a mesh."""
-  out = []
-  for entry in TERM_ENTRIES:
-    for dtype in ("float32", "bfloat16"):
-      for mesh in (None, "replicated", "fsdp"):
-        for weighted in (False, True):
-          if mesh and dtype in NARROW and not weighted:
-            continue  # a narrow accumulator on a mesh: weighted, as in cells()
-          cell = Cell(entry, dtype, mesh, weighted, False, terms=True)
-          fast = entry == "train_step" and dtype == "float32" and mesh is None
-          out.append(pytest.param(cell, id=str(cell), marks=[] if fast else [pytest.mark.slow]))
-  return out
+def precision_cells():
+  """The compute dtype's cells."""
+  return [as_param(cell) for cell in full_product() if cell.compute is not None]
 
 
 def assert_moves_close(actual, expected, start, tol, what):
@@ -670,35 +766,10 @@ def test_every_entry_point_equals_the_big_batch_update(cell):
 
 # --- compute dtype x weighting x in place -----------------------------------------------------
 
-PRECISION_ENTRIES = ("train_step", "train_step_donated", "micro_step", "value_and_grad")
-PRECISION_ENTRIES += ("linen", "nnx")
 # The compute dtype's precision: the step and the whole batch round differently (the sums' order,
 # each micro-batch's cotangent scale), each within a few units of the 16-bit dtype's epsilon.
 # Measured: at most 9 (bfloat16) and 7 (float16) epsilons, in place or carried, on jax 0.12.
 COMPUTE_TOL = {"float32": TOL["float32"], "bfloat16": 16 * 2.0**-8, "float16": 16 * 2.0**-11}
-
-
-def precision_cells():
-  """Every entry point that takes ``compute_dtype`` and ``grads_in_place`` x compute dtype x
-  weighting (even, uneven tokens, the same times BIG) x in place or carried; on a mesh, the
-  fused step in 16 bits with the large weights. float32 in place with even or token weights is
-  the first matrix's cell, not repeated."""
-  out = []
-  for entry in PRECISION_ENTRIES:
-    meshes = (None, "replicated", "fsdp") if entry == "train_step" else (None,)
-    for mesh in meshes:
-      for compute in ("float32", "bfloat16", "float16"):
-        for weighted, big in ((False, False), (True, False), (True, True)):
-          for in_place in (True, False):
-            if compute == "float32" and in_place and not big:
-              continue
-            if mesh is not None and (compute == "float32" or not big):
-              continue
-            cell = Cell(entry, "float32", mesh, weighted, False, compute, big, in_place)
-            slow = mesh is not None or entry != "train_step" or not in_place
-            marks = [pytest.mark.slow] if slow else []
-            out.append(pytest.param(cell, id=str(cell), marks=marks))
-  return out
 
 
 @pytest.mark.parametrize("cell", precision_cells())
@@ -722,3 +793,26 @@ def test_every_compute_dtype_and_weighting_equals_the_big_batch_in_place_or_carr
       np.testing.assert_allclose(a.loss, e.loss, rtol=max(tol, 1e-5))
     else:
       assert not np.isfinite(a.loss)
+
+
+def test_the_default_cells_cover_every_pair_and_the_named_triples():
+  """The default run (the cells not marked ``full``) holds every value of every axis, every pair
+  of values on two axes and every triple on :data:`TRIPLES` that some cell of the full product
+  holds; a cell marked ``full`` is marked ``slow`` too, so the fast tier never runs it."""
+  params = cells() + precision_cells()
+  marked = {p.id: {mark.name for mark in p.marks} for p in params}
+  full = [p.values[0] for p in params]
+  default = [p.values[0] for p in params if "full" not in marked[p.id]]
+
+  def held(cells):
+    pairs = {
+      ((a, getattr(c, a)), (b, getattr(c, b))) for c in cells for a, b in it.combinations(AXES, 2)
+    }
+    triples = {tuple((a, getattr(c, a)) for a in group) for c in cells for group in TRIPLES}
+    return pairs | triples
+
+  missing = held(full) - held(default)
+  assert not missing, f"{len(missing)} not in the default run, e.g. {sorted(missing, key=str)[:3]}"
+  for axis, values in AXES.items():
+    assert {getattr(c, axis) for c in default} == set(values), axis
+  assert all("slow" in marked[p.id] for p in params if "full" in marked[p.id])
