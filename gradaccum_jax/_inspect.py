@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from gradaccum_jax import _microbatch as _mb
 from gradaccum_jax._checks import check_int
 from gradaccum_jax._microbatch import CARRIED_BECAUSE, CARRIED_SCOPE, IN_PLACE_SCOPE, UNROLL_SCOPE
-from gradaccum_jax._microbatch import Core as _Core
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -38,9 +38,11 @@ _ARRAY = re.compile(r"\b[a-z]+(\d*)[a-z0-9]*\[([\d,]*)\]")  # (bits of the dtype
 _TABLE = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(.*?)\n\n", re.M | re.S)
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _LOCATION = re.compile(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
-# The loops the package writes: the window's scan, the window statistics' forward pass.
-_WINDOW, _STATISTICS = (f.__code__.co_qualname for f in (_Core.window, _Core.statistics))
-_PACKAGE = os.path.dirname(_Core.window.__code__.co_filename) + os.sep
+# The loops the package names (its scopes): the window's scan, the window statistics' pass.
+_OWN = re.compile(
+  rf'op_name="[^"]*/({_mb.WINDOW_SCOPE}|{_mb.STATS_SCOPE})/(?:{UNROLL_SCOPE}\d+/)?while"'
+)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 ROLES = {"window": "the window's micro-batch loop", "statistics": "the window statistics' pass",
          "package": "another of the package's", "model": "the model's own",
          "other": "the program's own"}  # fmt: skip
@@ -122,23 +124,25 @@ def _loops(comps: dict[str, list[str]], text: str) -> tuple[Loop, ...]:
     (m[1], comp, _TRIPS.search(line), _closure(comps, _called(line)), source(line), line)
     for comp, lines in comps.items() for line in lines if (m := _WHILE.match(line))
   ]  # fmt: skip
+  own = {f[0]: {_mb.WINDOW_SCOPE: "window", _mb.STATS_SCOPE: "statistics"}[m[1]]
+         for f in found if (m := _OWN.search(f[5]))}  # fmt: skip
   out = []
   for name, comp, trips, _, src, line in found:
-    outer = [f[4] for f in found if comp in f[3]]  # where the loops around it were written
-    role = _role(src, outer, bool(_BACKWARD.search(line)))
+    outer = {own.get(f[0]) for f in found if comp in f[3]}  # the roles of the loops around it
+    role = own.get(name) or _role(src, outer, bool(_BACKWARD.search(line)))
     where = src and f"{src[1]}, {os.path.basename(src[0])}:{src[2]}"
     out.append(Loop(name, comp, trips and int(trips[1]), bool(outer), role, where))
   return tuple(out)
 
 
-def _role(src: tuple | None, outer: list, backward: bool = False) -> str | None:
-  """A loop's key of ROLES from where it and the loops around it were written."""
+def _role(src: tuple | None, outer: set, backward: bool) -> str | None:
+  """The ROLES key of a loop the package did not name, from where it was written and whether
+  one of the package's loops runs it."""
   if src is None:
     return None
   if src[0].startswith(_PACKAGE):
-    return {_WINDOW: "window", _STATISTICS: "statistics"}.get(src[1], "package")
-  window = {"window", "statistics"} & {_role(o, []) for o in outer}
-  return "model" if window or backward else "other"
+    return "package"
+  return "model" if outer & {"window", "statistics"} or backward else "other"
 
 
 # What to do about a collective over budget (check's message): in a loop, and outside loops.

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -38,6 +37,8 @@ from gradaccum_jax._sharding import ONE_DEVICE, Devices, over_mesh
 from gradaccum_jax._terms import Terms, combine, names_of, refused, split
 
 IN_PLACE_SCOPE = "ga_grads_in_place"
+# The package's own loops, named for ga.inspect_step: the window's, the window statistics' pass.
+WINDOW_SCOPE, STATS_SCOPE = "ga_window_loop", "ga_window_stats"
 UNROLL_SCOPE = "ga_unroll_"  # + the micro-batches per trip of an unrolled loop (ga.inspect_step)
 # Why a step carries each gradient instead of adding it in place: the key names a scope around
 # the carried backward pass, which ga.inspect_step reads from the program.
@@ -475,10 +476,11 @@ class Core:
       x, w = one(i)
       return (reducers.add(c[0], x, w, wt.weighted), c[1] + wt.total(w)), None
 
-    if isinstance(num, int):
-      acc, weight = jax.lax.scan(body, start, jnp.arange(num))[0]
-    else:
-      acc, weight = jax.lax.fori_loop(0, num, lambda i, c: body(c, i)[0], start)
+    with jax.named_scope(STATS_SCOPE):
+      if isinstance(num, int):
+        acc, weight = jax.lax.scan(body, start, jnp.arange(num))[0]
+      else:
+        acc, weight = jax.lax.fori_loop(0, num, lambda i, c: body(c, i)[0], start)
     acc, weight = devices.reduce({"s": _Stats(reducers)}, {"s": (acc, weight)})["s"]
     if devices.axes:  # unweighted, each device's micro-batch weighs 1 / D (linear: after the sum)
       acc = reducers.share(acc, devices.count(), wt.weighted)
@@ -545,10 +547,12 @@ class Core:
       c = body(init, jnp.zeros((), jnp.int32))[0]
     elif num_real is None:  # a fixed trip count: a scan, ``unroll`` micro-batches per trip
       unroll = min(cfg.unroll, k)
-      with jax.named_scope(f"{UNROLL_SCOPE}{unroll}") if unroll > 1 else contextlib.nullcontext():
+      scope = WINDOW_SCOPE + (f"/{UNROLL_SCOPE}{unroll}" if unroll > 1 else "")
+      with jax.named_scope(scope):
         c, _ = jax.lax.scan(body, init, jnp.arange(k), unroll=unroll)
     else:  # only the first num_real micro-batches run; the others are not computed
-      c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
+      with jax.named_scope(WINDOW_SCOPE):
+        c = jax.lax.fori_loop(0, num_real, lambda i, c: body(c, i)[0], init)
     if refs is not None:
       grads = jax.tree.map(lambda r: _scaled(jax.freeze(r), norm), refs)
       c["sums"] = c["sums"]._replace(grads=grads)
