@@ -191,7 +191,7 @@ def _check_window(step, loss_fn, model, optimizer, batch) -> CheckWindow:
   rest = nnx.as_pure(rest)
   host = host_arguments(nnx.as_pure(trained), nnx.as_pure(optimizer.opt_state), batch)
   whole, parts = nnx.split((model, optimizer))  # copied: nnx.clone shares the arrays
-  model, optimizer = nnx.merge(whole, jax.tree.map(lambda x: x.copy(), parts))
+  model, optimizer = nnx.merge(whole, copies(parts))
   metrics = call_copied(step, model, optimizer, copies(batch), copy=False)
   new = nnx.as_pure(nnx.split(model, optimizer.wrt, ..., graph=optimizer.graph)[1])
 
