@@ -10,10 +10,12 @@ each jitted with params and state donated:
   ga        ga.train_step on the k*b sequences (k micro-batches of b, compute_dtype=bf16)
   min_scan  a hand-written lax.scan of the k micro-batch gradients from zeros, their mean, one
             update (bf16 compute as ga's): the floor for an accumulating step
+  ms_loop   optax.MultiSteps: k jitted micro-steps from Python per window
+  microbat  optax.microbatching.microbatch(grad) on the k*b sequences, then the update
 
 Timing: interleaved rounds, each timing ``--reps`` calls of every program after two
 warm-up calls; tokens/s per round and the same-round ratio ga / plain_b (median and
-min-max over rounds). Memory: each program's ``compiled.memory_analysis()`` (arguments +
+min-max over rounds), and ga's time per window over each other window's in the same round. Memory: each program's ``compiled.memory_analysis()`` (arguments +
 outputs - aliased + temp), and ga's excess over plain_b's plus the float32 accumulator and
 the larger batch; with ``--peak`` (a backend whose devices report ``memory_stats``: GPU,
 TPU) each program but plain_kb also runs three steps in its own subprocess, which reports the
@@ -167,11 +169,34 @@ def programs(c: Config):
     u, s = opt.update(jax.tree.map(lambda a: a / c.k, acc), s, p)
     return optax.apply_updates(p, u), s
 
+  ms = optax.MultiSteps(make_opt(), c.k)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def ms_micro(p, s, mb):
+    u, s = ms.update(jax.grad(loss_fn)(p, mb), s, p)
+    return optax.apply_updates(p, u), s
+
+  def ms_loop(p, s, batch):  # k jitted micro-steps from Python, as MultiSteps is driven
+    for i in range(c.k):
+      p, s = ms_micro(p, s, ga.microbatch(batch, i, c.k))
+    return p, s
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def microbat(p, s, batch):
+    g = optax.microbatching.microbatch(
+      jax.grad(loss_fn), argnums=1, microbatch_size=c.b,
+      accumulator=optax.microbatching.AccumulationType.MEAN,
+    )(p, batch)  # fmt: skip
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
   return {
     "plain_b": (opt, plain, micro),
     "plain_kb": (opt, plain, whole),
     "ga": (tx, ga_step, whole),
     "min_scan": (opt, min_scan, whole),
+    "ms_loop": (ms, ms_loop, whole),
+    "microbat": (opt, microbat, whole),
   }
 
 
@@ -191,7 +216,10 @@ def flops_per_token(c: Config):
 
 
 def compiled_stats(params, opt, step, batch):
-  """Memory analysis of one program, compiled on abstract inputs."""
+  """Memory analysis of one program, compiled on abstract inputs (none for ms_loop's Python
+  loop of programs)."""
+  if not hasattr(step, "lower"):
+    return {f"{f}_bytes": None for f in ("temp", "argument", "output", "alias", "footprint")}
   p = jax.eval_shape(lambda: params)
   compiled = lowered(step, p, jax.eval_shape(opt.init, p), batch).compile()
   ma = compiled.memory_analysis()
@@ -300,6 +328,11 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
   acc_bytes = sum(x.size * 4 for x in jax.tree.leaves(p0))
   batch_extra = (c.k - 1) * c.b * (c.seq + 1) * 4  # int32 tokens of the k - 1 more micro-batches
   fp = {n: s.get("footprint_bytes") for n, s in stats.items()}
+  window = [n for n in runs if n != "plain_b"]  # the programs whose call is a window
+  ga_vs = {
+    n: statistics.median([a / b for a, b in zip(samples["ga"], samples[n], strict=True)])
+    for n in window if "ga" in runs and n != "ga"
+  }  # fmt: skip
   rows = {
     n: {
       "ms": statistics.median(samples[n]) * 1e3,
@@ -320,6 +353,7 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
     "accumulator_bytes": acc_bytes,
     "batch_extra_bytes": batch_extra,
     "programs": rows,
+    "ga_window_vs": ga_vs,
     "failed": failed,
   }
   if fp.get("plain_b") is not None:
@@ -332,11 +366,11 @@ def measure(c: Config, preset: str, peak: bool, save=lambda res: None):
     # Each in a process of its own, which this one's cache of compiled programs spares a compile
     # (main sets it). This process keeps what its allocator took (for plain_kb's step, about 55
     # GiB on the gpu preset by XLA:CPU's memory analysis), which leaves an H200 room for each.
-    # Not plain_kb's: the comparison is with one micro-batch's step.
+    # Not plain_kb's: the comparison is with one micro-batch's step; nor the anchors'.
     del runs, p0
     out["peak"] = {}
-    for n in programs(c):
-      if n != "plain_kb" and n not in failed:
+    for n in ("plain_b", "ga", "min_scan"):
+      if n not in failed:
         out["peak"][n] = peak_in_subprocess(preset, n)
         log(f"{n}: peak {out['peak'][n]}"[:400])
         save(out)
@@ -372,6 +406,9 @@ def report(res, meta):
     )
   for n, err in res.get("failed", {}).items():
     lines.append(f"| {n} | failed: {err[:200].replace('|', '/')} | | | | | | |")
+  if res.get("ga_window_vs"):
+    ratios = ", ".join(f"{n} {v:.3f}" for n, v in res["ga_window_vs"].items())
+    lines.append(f"\nga's time per window over each other's, same round (median): {ratios}.")
   if "footprint_over_plain_b_plus_acc" in res:
     ratios = ", ".join(f"{n} {v:.3f}" for n, v in res["footprint_over_plain_b_plus_acc"].items())
     lines.append(

@@ -134,14 +134,17 @@ def test_device_check_smoke_runs_side_by_side_and_transformer(tmp_path):
   tf = json.loads((tmp_path / "transformer_gpu.json").read_text())
   assert tf["preset"] == "smoke" and tf["config"]["dtype"] == "float32"
   progs = tf["programs"]
-  assert set(progs) == {"plain_b", "plain_kb", "ga", "min_scan"}
+  assert set(progs) == {"plain_b", "plain_kb", "ga", "min_scan", "ms_loop", "microbat"}
   # One window of k micro-batches is the step on the whole batch; one micro-batch's is not
   # (relative L2 distance of the first update from plain_kb's).
-  assert progs["ga"]["update_rel_diff_to_plain_kb"] < 1e-4
-  assert progs["min_scan"]["update_rel_diff_to_plain_kb"] < 1e-4
+  for n in ("ga", "min_scan", "ms_loop", "microbat"):
+    assert progs[n]["update_rel_diff_to_plain_kb"] < 1e-4, n
   assert progs["plain_b"]["update_rel_diff_to_plain_kb"] > 0.1
-  for r in progs.values():
-    assert r["tokens_per_s"] > 0 and r["footprint_bytes"] > 0
+  for n, r in progs.items():
+    assert r["tokens_per_s"] > 0 and (n == "ms_loop") == (r["footprint_bytes"] is None), n
+  assert set(tf["ga_window_vs"]) == {"plain_kb", "min_scan", "ms_loop", "microbat"}
+  ms = {n: r["ms"] for n, r in progs.items()}  # medians of one round: the round's own ratio
+  assert tf["ga_window_vs"]["ms_loop"] == pytest.approx(ms["ga"] / ms["ms_loop"])
   # ga scans into the state's accumulator: no more than the minimal scan (its metrics and
   # counters: a few KiB) and, where the backward pass adds into it in place (JAX 0.11+), one
   # block's gradient held before it is added (the smoke model stacks a single block, so nothing
