@@ -43,24 +43,41 @@ def test_performance_section_fits_on_a_screen():
   assert "benchmarks/results/summary.png" in perf
 
 
-def test_performance_table_is_the_summary_json():
-  """The README's numbers are those ``benchmarks/summary.py`` wrote, to the digits shown."""
-  summary = json.loads((README.parent / "benchmarks" / "results" / "summary.json").read_text())
+def test_performance_table_is_the_stored_runs():
+  """The README's numbers are those ``benchmarks/summary.py`` (the MLP) and
+  ``benchmarks/transformer.py --preset cpu`` (the LM: per window, the median ms of the plain
+  step on the whole window, ga, the MultiSteps loop and optax.microbatching) wrote, to the
+  digits shown; the LM bullet's ratios are that run's own."""
+  results = README.parent / "benchmarks" / "results"
+  summary = json.loads((results / "summary.json").read_text())
+  lm = json.loads((results / "transformer_cpu.json").read_text())
   (table,) = tables(section("Performance"))
   header, *rows = table
   methods = ["plain", "ga", "MultiSteps", "microbatching"]
   assert len(header) == len(methods) + 1
+  lm_ms = {m: lm["programs"][p]["ms"] for m, p in zip(methods, LM_PROGRAMS, strict=True)}
   expected = {
-    "CPU ms": summary["time_ms"]["cpu"],
-    "GPU ms": summary["time_ms"]["gpu"],
-    "peak MiB, k = 8": summary["peak_mib"]["8"],
-    "peak MiB, k = 128": summary["peak_mib"]["128"],
+    "MLP, CPU ms": summary["time_ms"]["cpu"],
+    "MLP, GPU ms": summary["time_ms"]["gpu"],
+    "MLP, peak MiB, k = 8": summary["peak_mib"]["8"],
+    "MLP, peak MiB, k = 128": summary["peak_mib"]["128"],
+    "LM, CPU ms": lm_ms,
   }
   assert [row[0] for row in rows] == list(expected)
   for row in rows:
     for cell, method in zip(row[1:], methods, strict=True):
       value = expected[row[0]][method]
       assert float(cell) == float(f"{value:.3g}"), (row[0], method, cell, value)
+  words = " ".join(section("Performance").split())
+  assert (lm["config"]["layers"], lm["config"]["k"], lm["config"]["b"]) == (4, 4, 4)
+  assert f"measured with jax {lm['meta']['jax']}" in words
+  vs = lm["ga_window_vs"]
+  for p, of in [("ms_loop", "`MultiSteps`'"), ("microbat", "`optax.microbatching`'s"),
+                ("plain_kb", "the plain big batch's")]:  # fmt: skip
+    assert f"{vs[p]:.2f} of {of}" in words, p
+
+
+LM_PROGRAMS = ("plain_kb", "ga", "ms_loop", "microbat")
 
 
 def test_sphinx_build_names_the_docs_extra():
