@@ -34,7 +34,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from helpers import init_mlp, mlp
+from helpers import assert_trees_close, init_mlp, mlp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -502,6 +502,7 @@ def run_linen(cell, params, model_state, data):
   out = []
   for batch in data:
     state, metrics = step(state, put(batch, mesh, P("data")))
+    assert set(metrics.get("loss_terms", ())) == ({"a", "b"} if cell.terms else set())
     stats = state.batch_stats if cell.state else None
     params, opt_state = mlp_params(state.params), state.opt_state
     out.append(from_state(params, stats, metrics["loss"], opt_state, rename=mlp_params))
@@ -550,6 +551,7 @@ def run_nnx(cell, params, model_state, data):
   out = []
   for batch in data:
     metrics = step(model, optimizer, put(batch, mesh, P("data")))
+    assert set(metrics.get("loss_terms", ())) == ({"a", "b"} if cell.terms else set())
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     stats = {"n": model.n[...], "s": model.s[...]} if cell.state else None
     opt_state = jax.tree.map(lambda v: v[...], optimizer.opt_state, is_leaf=is_variable)
@@ -586,8 +588,10 @@ AXES = {  # a Cell's fields, each with its values
 # accumulator dtype x mesh (micro_step alone applied k times a narrow accumulator's mean; narrow
 # accumulators on a mesh) and compute dtype x weighting (even, tokens, tokens times BIG: the
 # `weighted` and `big` axes) x in place (float16 in place with the large weights, a defect only
-# the second matrix's crossing found). Every other combination: every pair of values.
+# the second matrix's crossing found), and entry point x weighting x terms (each fused entry
+# point's per-term weights). Every other combination: every pair of values.
 TRIPLES = (("entry", "dtype", "mesh"), ("compute", "weighted", "big", "in_place"))
+TRIPLES += (("entry", "weighted", "terms"),)
 FUSED = ("train_step", "train_step_donated", "value_and_grad", "linen", "nnx")
 PRECISION_ENTRIES = ("train_step", "train_step_donated", "micro_step", "value_and_grad")
 PRECISION_ENTRIES += ("linen", "nnx")
@@ -620,9 +624,10 @@ def is_term_cell(cell):
 
 def is_unroll_cell(cell):
   """The fused entry points with their loop unrolled (2 micro-batches per trip, and all of
-  them), with and without a mesh, float32 even with model state and a bfloat16 running mean
-  weighted without."""
-  kinds = (("float32", False, True), ("bfloat16", True, False))
+  them), with and without a mesh: float32 even with model state, float32 and a bfloat16 running
+  mean weighted with it, and the bfloat16 running mean weighted without."""
+  kinds = (("float32", False, True), ("float32", True, True), ("bfloat16", True, True))
+  kinds += (("bfloat16", True, False),)
   return cell.entry in FUSED and (cell.dtype, cell.weighted, cell.state) in kinds
 
 
@@ -657,16 +662,20 @@ def is_cell(cell):
 def is_fast(cell):
   """The fast tier's cells (``-m "not slow"``), none on a mesh: float32 through every entry point
   (Linen and NNX unweighted) and the other accumulator dtypes through the weighted fused step;
-  the compute dtypes in place through ``train_step``; its terms in float32 and its loop unrolled
-  by 2, float32."""
+  the compute dtypes in place through ``train_step``; its terms in float32 (Linen and NNX
+  weighted) and its loop unrolled by 2, float32 and (weighted) with model state."""
   if cell.mesh is not None:
     return False
   if cell.compute is not None:
     return cell.entry == "train_step" and cell.in_place
-  if cell.terms:
-    return cell.entry == "train_step" and cell.dtype == "float32"
-  if cell.unroll != 1:
-    return cell.entry == "train_step" and cell.dtype == "float32" and cell.unroll == 2
+  if cell.terms:  # and the Flax steps' per-term weights
+    return cell.dtype == "float32" and (
+      cell.entry == "train_step" or cell.entry in ("linen", "nnx") and cell.weighted
+    )
+  if cell.unroll != 1:  # float32, and weighted with model state in both dtypes
+    return (
+      cell.entry == "train_step" and cell.unroll == 2 and (cell.dtype == "float32" or cell.state)
+    )
   if cell.dtype == "float32":
     return not (cell.entry in ("linen", "nnx") and cell.weighted)
   return cell.entry == "train_step" and cell.weighted and not cell.state
@@ -757,8 +766,9 @@ def test_every_entry_point_equals_the_big_batch_update(cell):
     assert (a.count, a.num_skipped) == (e.count, e.num_skipped), (w, a.count, a.num_skipped)
     if w < 2:  # the voided window's loss is NaN in both; window 1's at params within tol
       np.testing.assert_allclose(a.loss, e.loss, rtol=max(tol, 1e-5) if not cell.x64 else 1e-10)
-    else:
+    else:  # the voided window moves nothing: the params and momentum of window 1, bit for bit
       assert not np.isfinite(a.loss)
+      assert_trees_close((a.params, a.trace), (actual[1].params, actual[1].trace), rtol=0, atol=0)
     if cell.state:
       assert int(a.model_state["n"]) == int(e.model_state["n"])
       np.testing.assert_allclose(a.model_state["s"], e.model_state["s"], rtol=1e-5)

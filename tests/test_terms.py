@@ -1,14 +1,16 @@
 """Losses of several terms (docs/usage.md, "Losses with several terms"), against the objective
 written over the whole batch at once: each term's masked sum over the batch divided by its own
 count, plus a term that weighs 1 per micro-batch (its mean over the batch, the micro-batches
-being of one size), differentiated by plain ``jax.grad``."""
+being of one size), differentiated by plain ``jax.grad``. Every fused entry point (the Flax
+steps' too) with two token-weighted terms, on a mesh and over a voided window:
+tests/test_mode_matrix.py's terms cells."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batch, mlp
+from helpers import assert_trees_close, init_mlp, make_batch, mesh_1d, mlp
 
 import gradaccum_jax as ga
 
@@ -109,9 +111,8 @@ def test_a_short_window_normalizes_over_its_own_micro_batches():
 
 def test_on_a_mesh_each_term_is_normalized_over_every_device():
   batch, k = make(k=2), 2
-  mesh = jax.make_mesh((8,), ("data",))
   tx = ga.accumulate(optax.sgd(LR), k)
-  step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, mesh=mesh, data_axis="data")
+  step = ga.train_step(loss_fn, tx, weight_fn=weight_fn, mesh=mesh_1d(), data_axis="data")
   new, _, metrics = step(PARAMS, tx.init(PARAMS), batch)
   # Rows of one micro-batch on each device: "mtp" is 0 / 0 on every device but the ones that
   # hold rows 0, 2, 4, ... of their shard where the mask is set; each term over all of them.
@@ -163,44 +164,6 @@ def test_a_window_whose_terms_all_weigh_zero_is_voided():
   )
   assert not bool(metrics["updated"]) and int(state.num_skipped) == 1
   assert_trees_close(new, PARAMS, rtol=0, atol=0)
-
-
-def test_linen_and_nnx_steps_take_terms():
-  flax = pytest.importorskip("flax")
-  del flax
-  import flax.linen as nn
-  from flax import nnx
-  from flax.training import train_state
-
-  batch, k = make(), 4
-  net = nn.Dense(3)
-  variables = net.init(jax.random.key(0), batch["x"][:1])
-
-  def terms(logits, mb):
-    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), mb["y"][:, None], axis=1)[:, 0]
-    return {"ce": jnp.sum(ce * mb["ce"]) / jnp.sum(mb["ce"]), "mtp": jnp.sum(ce * mb["mtp"]) / jnp.sum(mb["mtp"])}  # fmt: skip
-
-  def whole(params):
-    return sum(terms(net.apply({"params": params}, batch["x"]), batch).values())
-
-  want = jax.tree.map(
-    lambda p, g: p - LR * g, variables["params"], jax.grad(whole)(variables["params"])
-  )
-  ts = train_state.TrainState.create(
-    apply_fn=net.apply, params=variables["params"], tx=ga.accumulate(optax.sgd(LR), k)
-  )
-  ts, metrics = ga.linen_train_step(net, terms, weight_fn=weight_fn)(ts, batch)
-  assert_trees_close(ts.params, want)
-  assert abs(float(metrics["loss"]) - float(whole(variables["params"]))) < 1e-5
-
-  model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
-  model.kernel[...] = variables["params"]["kernel"]
-  model.bias[...] = variables["params"]["bias"]
-  optimizer = nnx.Optimizer(model, ga.accumulate(optax.sgd(LR), k), wrt=nnx.Param)
-  step = ga.nnx_train_step(lambda m, mb: terms(m(mb["x"]), mb), weight_fn=weight_fn)
-  metrics = step(model, optimizer, batch)
-  assert_trees_close({"kernel": model.kernel[...], "bias": model.bias[...]}, want)
-  assert set(metrics["loss_terms"]) == {"ce", "mtp"}
 
 
 def test_tx_update_with_totals_known_up_front_is_the_whole_batch_s():

@@ -1,15 +1,15 @@
 """``unroll=``: the fused steps' loop over micro-batches with several per trip, against the rolled
-loop (unroll 1) of the same step in every entry point, on a mesh, in short windows, and
-``unroll="auto"`` against the compiled memory of each candidate."""
+loop (unroll 1) of the train step, on a mesh, in short windows, and ``unroll="auto"`` against
+the compiled memory of each candidate. Every fused entry point unrolled, weighted, with model
+state, on a mesh and over a voided window: tests/test_mode_matrix.py's unroll cells."""
 
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batch, xent_loss
+from helpers import assert_trees_close, init_mlp, make_batch, mesh_1d, put, xent_loss
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -67,41 +67,11 @@ def test_an_unrolled_loop_makes_fewer_trips_and_a_short_window_runs_rolled():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
-def test_weights_model_state_and_a_voided_window_as_rolled(accum_dtype):
-  weight = jnp.arange(64.0) % 5  # uneven weights, micro-batch 0 of weight 0 on some rows
-
-  def loss_with_state(p, s, mb):
-    return xent_loss(p, mb), {"n": s["n"] + 1, "mean": s["mean"] * 0.9 + jnp.mean(mb["x"])}
-
-  batch = dict(BATCH, w=weight)
-  tx = ga.accumulate(optax.adam(1e-2), K, accum_dtype=accum_dtype)
-  outs = []
-  for unroll in (1, 4):
-    step = ga.train_step(loss_with_state, tx, has_state=True, unroll=unroll,
-                         weight_fn=lambda mb: jnp.sum(mb["w"]))  # fmt: skip
-    p, s, st = PARAMS, {"n": jnp.zeros((), jnp.int32), "mean": jnp.zeros(())}, tx.init(PARAMS)
-    p, s, st, _ = step(p, s, st, batch)
-    bad = dict(batch, x=batch["x"].at[3].set(jnp.nan))  # voided: nothing moves
-    p2, s2, st2, m = step(p, s, st, bad)
-    assert not bool(m["updated"]) and int(st2.num_skipped) == 1
-    assert_trees_close(p2, p, rtol=0, atol=0)
-    outs.append((p, s))
-  tol = dict(rtol=1e-6, atol=1e-7) if accum_dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-3)
-  assert_trees_close(outs[1][0], outs[0][0], **tol)
-  assert int(outs[1][1]["n"]) == int(outs[0][1]["n"]) == K
-  np.testing.assert_allclose(outs[1][1]["mean"], outs[0][1]["mean"], rtol=1e-6)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
 def test_on_a_mesh_no_collective_enters_the_unrolled_loop(specs):
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = mesh_1d()
   tx = ga.accumulate(optax.adam(1e-2), 2)
-  params = PARAMS if specs is None else jax.device_put(
-    PARAMS, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), FSDP)
-  )  # fmt: skip
-  batch = jax.device_put(BATCH, jax.sharding.NamedSharding(mesh, P("data")))
+  params, batch = put(PARAMS, mesh, specs or P()), put(BATCH, mesh, P("data"))
   outs = []
   for unroll in (1, 2):
     step = ga.train_step(xent_loss, tx, mesh=mesh, param_specs=specs, unroll=unroll)
@@ -111,37 +81,6 @@ def test_on_a_mesh_no_collective_enters_the_unrolled_loop(specs):
     outs.append(step(params, tx.init(params), batch)[0])
   assert_trees_close(outs[1], outs[0], rtol=1e-6, atol=1e-7)
   assert_trees_close(outs[0], run(1, k=16, windows=1)[0], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_value_and_grad_linen_and_nnx_unroll():
-  import flax.linen as nn
-  from flax import nnx
-  from flax.training import train_state
-
-  vg = [jax.jit(ga.value_and_grad(xent_loss, K, unroll=u))(PARAMS, BATCH) for u in (1, 4)]
-  assert_trees_close(vg[1], vg[0], rtol=1e-6, atol=1e-7)
-
-  net = nn.Dense(8)
-  variables = net.init(jax.random.key(0), BATCH["x"][:1])
-
-  def xent(logits, mb):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
-
-  linen = []
-  for u in (1, 4):
-    ts = train_state.TrainState.create(apply_fn=net.apply, params=variables["params"],
-                                       tx=ga.accumulate(optax.adam(1e-2), K))  # fmt: skip
-    linen.append(ga.linen_train_step(net, xent, unroll=u)(ts, BATCH)[0].params)
-  assert_trees_close(linen[1], linen[0], rtol=1e-6, atol=1e-7)
-
-  kernels = []
-  for u in (1, 4):
-    model = nnx.Linear(6, 8, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, ga.accumulate(optax.adam(1e-2), K), wrt=nnx.Param)
-    ga.nnx_train_step(lambda m, mb: xent(m(mb["x"]), mb), unroll=u)(model, optimizer, BATCH)
-    kernels.append(model.kernel[...])
-  assert_trees_close(kernels[1], kernels[0], rtol=1e-6, atol=1e-7)
 
 
 def peak(step, *args):
@@ -212,10 +151,9 @@ def test_auto_compiles_few_candidates_once_per_signature(monkeypatch):
 
 @pytest.mark.slow
 def test_auto_with_gather_auto_prefers_once_then_the_largest_unroll():
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = mesh_1d()
   tx = ga.accumulate(optax.adam(1e-2), 2)
-  params = jax.device_put(PARAMS, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), FSDP))
-  batch = jax.device_put(BATCH, jax.sharding.NamedSharding(mesh, P("data")))
+  params, batch = put(PARAMS, mesh, FSDP), put(BATCH, mesh, P("data"))
   args = (params, tx.init(params), batch)
   sizes = {
     (g, u): peak(
