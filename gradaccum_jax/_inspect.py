@@ -328,8 +328,10 @@ def inspect_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRep
     >>> import jax, jax.numpy as jnp, gradaccum_jax as ga
     >>> step = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, 4)[0])
     >>> report = ga.inspect_step(step, jnp.ones(3))
-    >>> report.in_loop, [lp.trip_count for lp in report.loops], report.window_loop
-    ({}, [4], None)
+    >>> isinstance(report, ga.StepReport), report.in_loop, report.window_loop
+    (True, {}, None)
+    >>> [lp.trip_count for lp in report.loops]
+    [4]
   """
   if not callable(step):
     raise TypeError(f"step must be a function (a ga step or a jax.jit one), got {step!r}.")

@@ -67,6 +67,7 @@ def test_fused_step_matches_big_batch(name):
   assert int(state.count) == WINDOWS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name",
   [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(OPTIMIZERS)],
@@ -97,6 +98,7 @@ def test_streaming_matches_big_batch(name):
   assert int(state.micro_step) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sgd", "adam", "clip_adamw"])
 def test_value_and_grad_matches_big_batch(name):
   params = init_mlp(jax.random.key(0))
@@ -139,6 +141,7 @@ def test_clipping_sees_the_accumulated_gradient():
     assert_trees_close(wrong, right)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 8, 32])
 def test_any_k_dividing_the_batch(k):
   params = init_mlp(jax.random.key(3))
@@ -159,6 +162,7 @@ def test_microbatch_rows_are_strided():
   assert rows == list(range(6))
 
 
+@pytest.mark.slow
 def test_has_aux_means_and_sums():
   params = init_mlp(jax.random.key(0))
   batch = batches(1)[0]

@@ -183,6 +183,7 @@ def test_loss_scale_state_round_trips(checkpointer, tmp_path):
   assert float(ours[1].loss_scale.scale) == 2.0**12 and int(ours[1].count) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_a_mesh_checkpoint_restores_onto_a_fresh_state_mid_window(layout, checkpointer, tmp_path):
   """With params on a mesh, tx.init places every leaf of the state there (the counters and the

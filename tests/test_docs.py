@@ -112,6 +112,7 @@ STANDALONE = (
 API_PAGES = sorted((DOCS / "api").glob("*.md"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", API_PAGES, ids=lambda p: p.name)
 def test_api_pages_open_with_an_example(page):
   """Each API page runs a short example before its first autodoc entry; its names are checked."""
@@ -168,6 +169,7 @@ def test_architecture_adds_a_statistic_with_one_table_entry():
     _parts.REDUCERS.pop("abs_max", None)
 
 
+@pytest.mark.slow
 def test_architecture_adds_a_unit_with_one_line():
   """docs/architecture.md: a gradient statistic defined on the page, one registry line, equals
   the closed form (the largest entry of any one row's gradient) in every step that runs the

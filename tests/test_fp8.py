@@ -100,6 +100,7 @@ def assert_window_equal(ours, ref, before, exact):
       np.testing.assert_allclose(a, r, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_the_fp8_collection_moves():
   """The reference itself: each window writes a new amax into every history, the output
   gradients' included (so a wrong reduction of any of them shows)."""
@@ -110,6 +111,7 @@ def test_the_fp8_collection_moves():
       assert float(leaf[0]) > 0, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, pytest.param("data", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_linen_train_step_equals_the_big_batch(k, mesh):
@@ -129,6 +131,7 @@ def test_linen_train_step_equals_the_big_batch(k, mesh):
     assert "aux" not in metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, pytest.param("data", marks=pytest.mark.slow)])
 def test_token_weighted_windows_equal_the_big_batch(mesh):
   """Uneven real rows and a micro-batch of padding only: its rows still pass the forward (their
@@ -151,6 +154,7 @@ def variables_loss(variables, mb):
   return mse(NET.apply(variables, mb["x"]), mb)
 
 
+@pytest.mark.slow
 def test_train_step_on_the_variables_dict():
   """``ga.train_step`` with the variables as params and ``tx.init(variables["params"])``, as
   Flax's ``TrainState.create`` makes it."""
@@ -178,6 +182,7 @@ def test_value_and_grad_equals_jax_grad_of_the_variables():
     np.testing.assert_array_equal(a, r)
 
 
+@pytest.mark.slow
 def test_a_short_window_equals_the_big_batch_of_its_real_micro_batches():
   k, m = 4, 2
   batch = batches(1)[0]
@@ -191,6 +196,7 @@ def test_a_short_window_equals_the_big_batch_of_its_real_micro_batches():
   assert_window_equal(ours.params, ref.params, net_variables(), exact=True)
 
 
+@pytest.mark.slow
 def test_a_voided_window_keeps_the_collection():
   """A window of zero total weight changes neither the params nor the amax histories."""
   ours = train_state.TrainState.create(
@@ -203,6 +209,7 @@ def test_a_voided_window_keeps_the_collection():
   jax.tree.map(np.testing.assert_array_equal, new.params, net_variables())
 
 
+@pytest.mark.slow
 def test_the_collection_is_carried_not_added_in_place():
   """In-place accumulation adds every cotangent into the accumulator; the fp8 collection's is a
   new value, maxed over the window, so its step takes the carried path on every JAX (the same
@@ -240,6 +247,7 @@ def test_other_collections_beside_the_fp8_one_are_refused():
     ga.train_step(variables_loss, tx)(params, tx.init(net_variables()["params"]), batches(1)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["once", "per_microbatch"])
 def test_fsdp_params_equal_the_big_batch(gather):
   """FSDP: the kernels sharded over the 8 devices (param_specs for the whole variables dict),

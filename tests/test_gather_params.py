@@ -638,6 +638,7 @@ def test_nnx_step_with_auto_gathering_matches_the_device_group_reference():
   np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["once", "per_microbatch"])
 def test_a_donated_fsdp_step_takes_a_state_laid_out_otherwise_than_the_params(gather):
   """On an explicit mesh the state may be laid out replicated while the params are sharded

@@ -91,6 +91,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "case",
   [c if c not in SLOW_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
@@ -150,6 +151,7 @@ def _model_state_loss(p, ms, mb):
   return loss, {"seen": ms["seen"] + aux["tokens"], "scale": 0.9 * ms["scale"] + 0.1 * loss}
 
 
+@pytest.mark.slow
 def test_in_place_with_model_state_loss_scale_and_value_and_grad():
   """Model state threaded through the micro-batches, a dynamic loss scale, and
   ga.value_and_grad: each as the carried path."""
@@ -299,6 +301,7 @@ def _float16_runs(weight, loss_scale, in_place):
   return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "carried"])
 def test_float16_token_weights_under_a_loss_scale_apply_the_window(in_place):
   """32 tokens a row: a seed of w_i = 256 times the loss scale 2^15 overflowed float16 in place
@@ -318,6 +321,7 @@ def test_float16_with_70000_token_micro_batches_is_not_voided(in_place):
     assert got[1] == 0, (name, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_a_weighted_loss_narrower_than_float32_is_carried_and_exact(loss_dtype):
   """A loss value in bfloat16 (float16) would round each weight in its seed (257 -> 256 in
@@ -403,6 +407,7 @@ def test_on_8_devices_a_stacked_model_holds_what_a_shard_map_ref_scan_holds(layo
   assert r["ga"] < r["ga_carried"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True])
 def test_micro_step_in_place_equals_the_carried_path(weighted):
   """ga.micro_step (no mesh) over a window and a half, weighted with an empty micro-batch or not:

@@ -342,6 +342,7 @@ def counted_loss(params, batch):
   return xent_loss(params, batch), aux
 
 
+@pytest.mark.slow
 def test_integer_window_statistics_share_the_one_all_reduce_after_the_loop():
   """Integer counts beside the float sums: one all-reduce after the loop, of float32 only (the
   budget of docs/verifying.md holds); a max adds one more, and the over-budget message lists

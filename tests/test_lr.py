@@ -260,6 +260,7 @@ def test_scale_weight_decay_holds_the_timescale(lr_rule, base, size):
   assert lr * wd / size == pytest.approx(3e-4 * 0.1 / base, rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lr_rule", list(LR_FACTORS))
 @pytest.mark.parametrize(("base", "size"), [(64, 256), (256, 64)])
 def test_scale_weight_decay_optax_adamw_decays_as_much_per_example(lr_rule, base, size):

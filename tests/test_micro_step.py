@@ -279,6 +279,7 @@ def test_from_tx_init_it_equals_train_step_window_for_window_and_the_modes_share
     assert len(traces) == 4, (i, len(traces))
 
 
+@pytest.mark.slow
 def test_tx_update_and_flush_close_a_window_micro_step_opened():
   """One streamed call of a 2-window, then tx.update (and, from the same state, ga.flush) on
   its state: the window is the two micro-batches' (the one micro-batch's with flush)."""
@@ -418,6 +419,7 @@ SHARED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("calls,expected", SHARED, ids=["m+u", "u+m", "m+m+flush", "m4", "umum"])
 def test_streaming_modes_share_a_window_with_any_accumulator(dtype, calls, expected):
@@ -445,6 +447,7 @@ def test_streaming_modes_share_a_window_with_any_accumulator(dtype, calls, expec
     np.testing.assert_allclose(metrics["grad_norm"], -expected * np.sqrt(2), rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [None, "replicated"])
 def test_the_returned_state_answers_every_accumulate_state_field(layout):
   """state.count, state.inner_state, ... of the state micro_step returns, as of every other
@@ -496,6 +499,7 @@ def test_reading_a_field_totals_only_that_field_s_device_slots():
   )
 
 
+@pytest.mark.slow
 def test_the_transformation_holds_its_settings_and_copies_keep_them():
   """``tx.settings`` is stored on the transformation (not read back from ``tx.update``), and a
   copy keeps the settings and works as the original."""
@@ -511,6 +515,7 @@ def test_the_transformation_holds_its_settings_and_copies_keep_them():
     np.testing.assert_allclose(updates, [-0.5, -0.5])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("features", ["plain", "loss_scale_noise_aux"])
 def test_micro_step_reports_the_metrics_of_train_step_in_the_same_dtypes(features):
   """One function builds a closed window's metrics for every mode: micro_step's closing call

@@ -662,12 +662,13 @@ def is_cell(cell):
 def is_fast(cell):
   """The fast tier's cells (``-m "not slow"``), none on a mesh: float32 through every entry point
   (Linen and NNX unweighted) and the other accumulator dtypes through the weighted fused step;
-  the compute dtypes in place through ``train_step``; its terms in float32 (Linen and NNX
-  weighted) and its loop unrolled by 2, float32 and (weighted) with model state."""
+  the compute dtypes in place with the large weights through ``train_step``; its terms in
+  float32 (Linen and NNX weighted) and its loop unrolled by 2, float32 and (weighted) with model
+  state."""
   if cell.mesh is not None:
     return False
-  if cell.compute is not None:
-    return cell.entry == "train_step" and cell.in_place
+  if cell.compute is not None:  # the large weights, where 16 bits overflowed
+    return cell.entry == "train_step" and cell.in_place and cell.big
   if cell.terms:  # and the Flax steps' per-term weights
     return cell.dtype == "float32" and (
       cell.entry == "train_step" or cell.entry in ("linen", "nnx") and cell.weighted

@@ -112,6 +112,7 @@ def test_frozen_leaves_the_statistics(setup):
   assert_trees_close(new_params, jax.tree.map(lambda p, g: p - 0.1 * g, params, ref_grads))
 
 
+@pytest.mark.slow
 def test_has_state_with_aux_and_rng(setup):
   params, state, batch = setup
 

@@ -119,6 +119,7 @@ def accumulator_bytes_per_device(state):
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.acc_grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
 def test_a_narrow_accumulator_halves_the_accumulator_bytes_of_each_device(specs):
   """The compiled fused step's arguments and outputs (params, state, batch) per device are
@@ -142,6 +143,7 @@ def test_a_narrow_accumulator_halves_the_accumulator_bytes_of_each_device(specs)
   assert wide.output_size_in_bytes - narrow.output_size_in_bytes == saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["replicated", "fsdp"])
 def test_a_narrow_accumulator_takes_the_float32_accumulators_collectives(specs):
   """Each device's running mean joins the window's one all-reduce as ``mean * weight`` in

@@ -285,6 +285,7 @@ def test_errors_name_the_problem():
     ga.nnx_train_step(xent, batchnorm="per_window")(two, opt2, batch)
 
 
+@pytest.mark.slow
 def test_jit_false_gives_the_step_to_trace_in_your_own_nnx_jit():
   """jit=False, as in train_step and linen_train_step: the step comes unjitted (no ``lower``),
   and under the caller's nnx.jit it trains the model as the jitted step does."""
@@ -331,6 +332,7 @@ def test_donated_step_voids_a_bad_window_in_place_and_matches_the_undonated_step
   assert_trees_close(results[1], results[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_the_default_step_is_the_donated_one():
   """donate=True is the default (the step writes back into the model and the optimizer): the
   default step compiles to donate=True's program (the same text and memory analysis), whose peak
@@ -400,6 +402,7 @@ def test_has_updated_reads_the_state_an_nnx_optimizer_wraps():
   assert seen == [False, True]
 
 
+@pytest.mark.slow
 def test_micro_step_takes_an_all_param_module_and_refuses_one_with_other_variables():
   """docs/models.md: a module of nnx.Param only is a pytree of params for ga.micro_step (equal
   to the split model's window); one with BatchNorm statistics is refused with what to do."""

@@ -82,6 +82,7 @@ def dp_tx(k, sigma=0.0, seed=0, inner=None, **kw):
 FAST_CELLS = {(2, False, 0.0), (4, True, "nan")}  # the rest in the slow tier
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "k,donate,pad",
   [
@@ -108,6 +109,7 @@ def test_train_step_is_the_by_hand_clipped_whole_batch_update(k, donate, pad):
   assert int(state.count) == 2 and int(state.num_skipped) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "accum_dtype,pad",
   [
@@ -239,6 +241,7 @@ def test_one_window_is_jax_privacy_s_clipped_grad_divided_by_b():
   assert_trees_close(jax.tree.map(lambda p, n: (p - n) * B, base_params(), new), peer)
 
 
+@pytest.mark.slow
 def test_a_non_finite_example_adds_nothing_and_voids_nothing():
   batch = make()
   x = batch["x"].at[5].set(jnp.inf)  # a real example whose gradient is NaN
@@ -251,6 +254,7 @@ def test_a_non_finite_example_adds_nothing_and_voids_nothing():
   assert_trees_close(new, sgd(base_params(), kept))
 
 
+@pytest.mark.slow
 def test_a_window_of_padding_only_still_takes_its_noisy_step():
   """Voiding an empty window would tell the data: it takes the step of sum 0 plus noise."""
   batch = dict(make(), mask=jnp.zeros(N))
@@ -293,6 +297,7 @@ def test_linen_and_nnx_steps_clip_each_example():
   assert_trees_close({"kernel": model.kernel[...], "bias": model.bias[...]}, want)
 
 
+@pytest.mark.slow
 def test_aux_is_reduced_over_the_real_examples():
   batch = make()
 

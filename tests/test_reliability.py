@@ -170,6 +170,7 @@ def test_a_non_finite_weight_voids_the_window_in_every_mode(bad):
     assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.slow
 def test_negative_weights_raise_when_concrete_and_count_zero_when_traced():
   params = init_mlp(jax.random.key(0), (6, 3))
   tx = ga.accumulate(optax.sgd(1.0), 2)

@@ -71,6 +71,7 @@ def first(batch, m, k):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_value_and_grad_is_the_whole_batch_s(k):
   batch = make(k=k)
@@ -80,6 +81,7 @@ def test_value_and_grad_is_the_whole_batch_s(k):
   assert_trees_close(grads, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grads_in_place", [True, False])
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
 def test_train_step_updates_as_the_whole_batch(grads_in_place, accum_dtype):
@@ -99,6 +101,7 @@ def test_train_step_updates_as_the_whole_batch(grads_in_place, accum_dtype):
   assert int(state.num_skipped) == 0 and bool(metrics["updated"])
 
 
+@pytest.mark.slow
 def test_a_short_window_normalizes_over_its_own_micro_batches():
   batch, k, m = make(), 4, 2
   tx = ga.accumulate(optax.sgd(LR), k)
@@ -109,6 +112,7 @@ def test_a_short_window_normalizes_over_its_own_micro_batches():
   assert float(metrics["term_weights"]["z"]) == m
 
 
+@pytest.mark.slow
 def test_on_a_mesh_each_term_is_normalized_over_every_device():
   batch, k = make(k=2), 2
   tx = ga.accumulate(optax.sgd(LR), k)
@@ -121,6 +125,7 @@ def test_on_a_mesh_each_term_is_normalized_over_every_device():
   assert float(metrics["term_weights"]["mtp"]) == float(batch["mtp"].sum())
 
 
+@pytest.mark.slow
 def test_without_per_term_weights_the_terms_are_summed():
   """A scalar weight_fn weighs every term alike: the weighted mean of the terms' sum."""
   batch, k = make(), 4
@@ -155,6 +160,7 @@ def test_terms_with_aux_keep_the_aux():
   assert int(loss[1]["tokens"]) == int(batch["ce"].sum())
 
 
+@pytest.mark.slow
 def test_a_window_whose_terms_all_weigh_zero_is_voided():
   batch = dict(make(), ce=jnp.zeros(B), mtp=jnp.zeros(B))
   only_named = lambda p, mb: {t: v for t, v in loss_fn(p, mb).items() if t != "z"}  # noqa: E731
@@ -166,6 +172,7 @@ def test_a_window_whose_terms_all_weigh_zero_is_voided():
   assert_trees_close(new, PARAMS, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_tx_update_with_totals_known_up_front_is_the_whole_batch_s():
   """docs/usage.md's recipe for tx.update: differentiate k * sum_t w_t / W_t * L_t, weight 1."""
   batch, k = make(), 4
@@ -194,6 +201,7 @@ def scaled_without_mtp(p, mb, totals, k):
   return k * (jnp.sum(mb["ce"]) / totals["ce"] * terms["ce"] + terms["z"] / totals["z"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grads_in_place", [True, False])
 def test_per_term_weights_keep_the_in_place_add_and_its_peak(grads_in_place):
   """Where JAX adds in place, a loss with per-term weights does too (its empty terms are
@@ -221,6 +229,7 @@ def test_per_term_weights_keep_the_in_place_add_and_its_peak(grads_in_place):
   assert 0 <= peaks[1] - peaks[0] <= extra, (peaks, A, residuals)
 
 
+@pytest.mark.slow
 def test_per_term_weights_on_stacked_layers_add_in_place_at_the_one_term_peak():
   """Stacked blocks under one lax.scan, gradients added in place: the pass term by term adds
   each term's gradient into the accumulator too, so the peak stays within three micro-batches'
@@ -287,6 +296,7 @@ def _tokens(mb):
   return {"ce": jnp.sum(mb["m"]), "balance": jnp.sum(mb["m"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["value_and_grad", "value_and_grad_mesh", "train_step", "nnx"])
 def test_per_term_weights_and_window_statistics_combine_to_the_big_batch(entry):
   """Token-weighted terms, one reading the window's statistics (before: "weight_fn(microbatch)

@@ -32,6 +32,7 @@ def run(unroll, *, k=K, windows=2, batch=BATCH, **kw):
   return params, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "unroll,donate,grads_in_place",
   [

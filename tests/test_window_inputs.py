@@ -72,6 +72,7 @@ def reference(params, windows):
   return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "remat,mesh",
   [
@@ -103,6 +104,7 @@ def test_global_batch_balance_loss_equals_the_whole_batch_s(remat, mesh):
   assert int(metrics["window_stats"]["tokens"]) == B
 
 
+@pytest.mark.slow
 def test_the_micro_batches_own_fractions_are_not_the_whole_batch_s():
   """What the loss gives without window_stats (each micro-batch's own counts): another step."""
   params, (batch,) = init(jax.random.key(0)), batches(1)
@@ -153,6 +155,7 @@ def test_reducers_and_weights_of_window_statistics():
   assert float(got["top"]) == 15.0 and int(got["n"]) == int(jnp.sum(w > 0))
 
 
+@pytest.mark.slow
 def test_linen_and_nnx_steps_read_window_statistics():
   import flax.linen as nn
   from flax import nnx
@@ -216,6 +219,7 @@ def _peak(step, *args):
   )
 
 
+@pytest.mark.slow
 def test_the_statistics_pass_holds_no_more_than_one_micro_batch_s_forward():
   """Compiled peaks (deterministic): the step reading the window's statistics against the same
   step whose loss computes them from its own micro-batch differ by less than one micro-batch's

@@ -116,6 +116,7 @@ def _run(entry, w, batch, layout, weighted, num_real=None):
   return metrics["aux"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "layout",
   [None, *(pytest.param(x, marks=pytest.mark.slow) for x in ("replicated", "fsdp_per_microbatch"))],
@@ -131,6 +132,7 @@ def test_each_reducer_equals_the_window_reference(entry, weighted, layout):
   assert_stats(got, reference(w, batch, weighted, devices=1 if layout is None else 8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [None, "replicated"])
 @pytest.mark.parametrize("entry", ["train_step", "value_and_grad"])
 def test_a_short_window_reduces_its_real_microbatches(entry, layout):
@@ -174,6 +176,7 @@ def test_a_window_split_by_a_checkpoint_and_a_new_layout_reduces_as_one():
     np.testing.assert_allclose(metrics["aux"][name], want[name], rtol=2e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_linen_and_nnx_steps_reduce_as_the_reference():
   """The Flax front ends take aux_reduce too (a Dense layer, the same loss on its output)."""
   import flax.linen as nn
@@ -203,6 +206,7 @@ def _after_loop_all_reduces(report):
   )
 
 
+@pytest.mark.slow
 def test_on_a_mesh_the_reductions_run_once_after_the_loop():
   """No collective in the micro-batch loop; after it, the sums (the integer and bool counts
   too) in one float32 all-reduce, and the max and min leaves in one more per reduction and dtype:
@@ -271,6 +275,7 @@ def test_a_spec_that_does_not_fit_the_aux_is_refused_at_trace_time(spec, match):
     step(w, tx.init(w), batch)
 
 
+@pytest.mark.slow
 def test_a_partial_dict_names_some_keys_and_the_rest_keep_the_default():
   """{"tokens": "sum", "max": "max"}: those two as named, every other leaf as without
   aux_reduce (float leaves the weighted mean, the bool leaf summed: a count); nested too."""
@@ -366,6 +371,7 @@ def test_moe_window_statistics_and_bias_update_equal_the_whole_batch(remat, layo
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_counts_with_micro_step_come_with_the_closing_call():
   params, bias, batch = _moe_data()
   tx = ga.accumulate(optax.sgd(0.1), K)
@@ -379,6 +385,7 @@ def test_moe_counts_with_micro_step_come_with_the_closing_call():
   np.testing.assert_array_equal(metrics["aux"]["counts"], whole["counts"])
 
 
+@pytest.mark.slow
 def test_a_voided_window_reports_its_statistics_and_the_next_starts_afresh():
   """A NaN in micro-batch 2 voids the window (params kept), whose statistics are reported as
   its loss is (the max of a NaN row is NaN); in micro_step, whose reductions are state, the
@@ -431,6 +438,7 @@ def _extremes_loss(w, mb):
   return loss, {"lo": jnp.min(jnp.where(mb["n"] > 0, pred, jnp.inf)), "tokens": aux["tokens"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [None, "replicated"])
 @pytest.mark.parametrize("entry", ["train_step", "micro_step"])
 def test_a_new_reducer_is_one_table_entry(monkeypatch, entry, layout):

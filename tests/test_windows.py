@@ -83,6 +83,7 @@ def test_num_real_microbatches_equals_a_step_built_for_m_and_compiles_once(weigh
   assert step._cache_size() == 1 and len(traces) == n_traces  # a Python int: no retrace
 
 
+@pytest.mark.slow
 def test_padded_microbatches_are_not_computed():
   """The loss function runs m times, not k (counted at run time)."""
   calls = []
@@ -221,6 +222,7 @@ def test_flush_and_num_real_microbatches_errors():
     step(params, tx.init(params), batch, num_real_microbatches=2.5)
 
 
+@pytest.mark.slow
 def test_value_and_grad_num_real_microbatches():
   params = init_mlp(jax.random.key(0), (6, 3))
   m = 2
