@@ -1,7 +1,10 @@
 """Checkpointing with orbax at any point of a window: restoring and going on is bit-exact."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -219,3 +222,54 @@ def test_a_mesh_checkpoint_restores_onto_a_fresh_state_mid_window(layout, checkp
   b = jax.jit(tx_mesh.update)(grad(params, x), restored, params)
   assert_trees_close(a, b, rtol=0, atol=0)
   assert bool(b[1].updated)
+
+
+def window_states(package, mode, stop, start=0, carry=None):
+  """``(params, state)`` after micro-batches ``start..stop - 1`` (windows of 4; adam, the noise
+  scale) through ``tx.update`` (``mode="streaming"``, weight 8 each) or ``micro_step``, from
+  ``carry`` or a fresh start. It wrote tests/data/states_985bfe5.npz with the package of commit
+  985bfe5 (stop 6: one window, then two micro-batches of the next), keyed as :func:`paths` keys
+  them, ``mode/path``."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w": jax.random.normal(k1, (4, 3)), "b": jax.random.normal(k2, (3,))}
+  tx = package.accumulate(optax.adam(1e-2), 4, noise_scale_ema=0.9)
+  params, state = carry or (params, tx.init(params))
+
+  def loss_fn(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+  step = package.micro_step(loss_fn, tx)
+  for i in range(start, stop):
+    kx, ky = jax.random.split(jax.random.key(10 + i))
+    b = {"x": jax.random.normal(kx, (8, 4)), "y": jax.random.normal(ky, (8, 3))}
+    if mode == "micro_step":
+      params, state, _ = step(params, state, b)
+    else:
+      updates, state = tx.update(jax.grad(loss_fn)(params, b), state, params, weight=8.0)
+      params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def paths(tree):
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [jax.tree_util.keystr(k) for k, _ in leaves]
+
+
+@pytest.mark.parametrize("mode", ["streaming", "micro_step"])
+def test_a_state_written_before_the_pipeline_core_restores_and_closes_its_window(mode):
+  """A mid-window state the package wrote at 985bfe5, before its core became a pipeline of named
+  units, fills today's structure path by path (every path, shape and dtype the same: an
+  ``AccumulateState`` or a ``MicroStepState`` with ``parts=None``), and closes its window as an
+  uninterrupted run of today's package does."""
+  stored = np.load(pathlib.Path(__file__).parent / "data" / "states_985bfe5.npz")
+  today = window_states(ga, mode, 6)
+  leaves, treedef = jax.tree.flatten(today)
+  names = paths(today)
+  assert sorted(names) == sorted(k.partition("/")[2] for k in stored if k.startswith(f"{mode}/"))
+  old = [stored[f"{mode}/{name}"] for name in names]
+  assert [(x.shape, x.dtype) for x in old] == [(x.shape, x.dtype) for x in leaves]
+  restored = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in old])
+  assert_trees_close(restored, today, rtol=1e-6, atol=1e-7)
+  closed = window_states(ga, mode, 8, start=6, carry=restored)
+  assert int(closed[1].count) == 2 and int(closed[1].micro_step) == 0
+  assert_trees_close(closed, window_states(ga, mode, 8), rtol=1e-6, atol=1e-7)
