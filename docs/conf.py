@@ -11,6 +11,7 @@ stored, without outputs, in seconds.
 
 import os
 import pathlib
+import re
 
 import gradaccum_jax
 
@@ -91,8 +92,21 @@ myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 # Defaults as written in the source (`accum_dtype=jnp.float32`), not their repr
-# (`<class 'jax.numpy.float32'>`).
+# (`<class 'jax.numpy.float32'>`); the functions that take the keyword options have a signature
+# of their own (no source to read), so `_dtype_defaults` writes their dtypes so.
 autodoc_preserve_defaults = True
+
+
+def _dtype_defaults(app, what, name, obj, options, signature, return_annotation):
+  if signature:
+    return re.sub(r"<class 'jax\.numpy\.(\w+)'>", r"jnp.\1", signature), return_annotation
+  return None
+
+
+def setup(app):
+  app.connect("autodoc-process-signature", _dtype_defaults)
+
+
 # A signature longer than this puts each parameter on its own line: no parameter is split.
 python_maximum_signature_line_length = 88
 # The page's table of contents lists a class's fields by their own names (`micro_step` under

@@ -642,7 +642,7 @@ def flush(
 
   Args:
     tx: made by :func:`accumulate`; state: its state (any mode's).
-    params, **extra_args: for ``inner``, as in ``tx.update``.
+    params: for ``inner``, as in ``tx.update``, with any ``extra_args`` keywords.
 
   Returns:
     ``(updates, state)``, as the closing ``tx.update`` would return them.

@@ -75,6 +75,7 @@ def takes(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
       inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=OPTIONS[n][0]) for n in names
     ]
     call.__signature__ = sig.replace(parameters=own + extra)
+    del call.__wrapped__  # the signature above, not fn's source (no options there), is the API
     call.__doc__ = _with_docs(fn.__doc__ or "", names)
     return call
 
