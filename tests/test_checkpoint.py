@@ -239,13 +239,14 @@ def window_states(package, mode, stop, start=0, carry=None):
     return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
   step = package.micro_step(loss_fn, tx)
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p, weight=8.0))
   for i in range(start, stop):
     kx, ky = jax.random.split(jax.random.key(10 + i))
     b = {"x": jax.random.normal(kx, (8, 4)), "y": jax.random.normal(ky, (8, 3))}
     if mode == "micro_step":
       params, state, _ = step(params, state, b)
     else:
-      updates, state = tx.update(jax.grad(loss_fn)(params, b), state, params, weight=8.0)
+      updates, state = update(jax.grad(loss_fn)(params, b), state, params)
       params = optax.apply_updates(params, updates)
   return params, state
 
