@@ -256,6 +256,7 @@ def paths(tree):
   return [jax.tree_util.keystr(k) for k, _ in leaves]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["streaming", "micro_step"])
 def test_a_state_written_before_the_pipeline_core_restores_and_closes_its_window(mode):
   """A mid-window state the package wrote at 985bfe5, before its core became a pipeline of named
