@@ -225,6 +225,7 @@ def test_the_collection_is_carried_not_added_in_place():
   assert ga.inspect_step(step, state, batch).grads_in_place is (jax.__version_info__ >= (0, 11))
 
 
+@pytest.mark.slow
 def test_streaming_calls_refuse_the_collection():
   """``ga.micro_step`` and ``tx.update`` see one micro-batch: they cannot scale its cotangent by
   the window's total weight, so they refuse the collection before any work."""

@@ -362,6 +362,7 @@ def test_the_default_step_is_the_donated_one():
   assert not model.l1.kernel[...].is_deleted()
 
 
+@pytest.mark.slow
 def test_streaming_optimizer_update_takes_the_micro_batch_weight():
   """docs/migrating.md: optimizer.update(model, grads, weight=w) hands ``weight`` to
   ga.accumulate, so the window applies sgd to sum_i w_i g_i / sum_i w_i (by hand, from each

@@ -5,6 +5,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import gradaccum_jax as ga
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +73,7 @@ def test_wheel_holds_the_library_only(tmp_path, monkeypatch):
     assert f"{sdist.removesuffix('.tar.gz')}/examples/demo.py" in archive.getnames()
 
 
+@pytest.mark.slow
 def test_import_needs_no_flax():
   """flax is an optional extra: the package imports without it."""
   import subprocess

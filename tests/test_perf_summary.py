@@ -27,6 +27,7 @@ def test_times_are_the_stored_runs():
   assert s["time_meta"]["gpu"]["backend"] == "gpu" and s["time_meta"]["cpu"]["backend"] == "cpu"
 
 
+@pytest.mark.slow
 def test_memory_is_recomputed_alike():
   """The compiled peaks at k = 8 are deterministic: recompiled, they match the stored ones (on
   the jax version that wrote them; another version may plan buffers differently)."""

@@ -140,6 +140,7 @@ def counting(inner, counter):
   return optax.GradientTransformation(inner.init, update)
 
 
+@pytest.mark.slow
 def test_inner_optimizer_runs_once_per_window():
   params = init_mlp(jax.random.key(0))
   batch = make_batch(jax.random.key(1), 16)

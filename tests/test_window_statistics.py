@@ -226,6 +226,7 @@ def test_on_a_mesh_the_reductions_run_once_after_the_loop():
   reports["default"].check(max_in_loop=0, max_after_loop={"all-reduce": 1})
 
 
+@pytest.mark.slow
 def test_default_reducers_are_todays():
   """Without aux_reduce: float leaves the weighted mean, integer and bool leaves summed."""
   w, batch = _data(empty=1)
