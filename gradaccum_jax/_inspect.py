@@ -13,9 +13,15 @@ from typing import Any, NamedTuple
 
 import jax
 
-from gradaccum_jax import _microbatch as _mb
 from gradaccum_jax._checks import check_int
-from gradaccum_jax._microbatch import CARRIED_BECAUSE, CARRIED_SCOPE, IN_PLACE_SCOPE, UNROLL_SCOPE
+from gradaccum_jax._microbatch import (
+  CARRIED_BECAUSE,
+  CARRIED_SCOPE,
+  IN_PLACE_SCOPE,
+  STATS_SCOPE,
+  UNROLL_SCOPE,
+  WINDOW_SCOPE,
+)
 
 # The collectives, named as in HLO; an async pair (``all-gather-start``/``-done``) is one op.
 KINDS = (
@@ -39,9 +45,7 @@ _TABLE = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(.*?
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _LOCATION = re.compile(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
 # The loops the package names (its scopes): the window's scan, the window statistics' pass.
-_OWN = re.compile(
-  rf'op_name="[^"]*/({_mb.WINDOW_SCOPE}|{_mb.STATS_SCOPE})/(?:{UNROLL_SCOPE}\d+/)?while"'
-)
+_OWN = re.compile(rf'op_name="[^"]*/({WINDOW_SCOPE}|{STATS_SCOPE})/(?:{UNROLL_SCOPE}\d+/)?while"')
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 ROLES = {"window": "the window's micro-batch loop", "statistics": "the window statistics' pass",
          "package": "another of the package's", "model": "the model's own",
@@ -124,7 +128,7 @@ def _loops(comps: dict[str, list[str]], text: str) -> tuple[Loop, ...]:
     (m[1], comp, _TRIPS.search(line), _closure(comps, _called(line)), source(line), line)
     for comp, lines in comps.items() for line in lines if (m := _WHILE.match(line))
   ]  # fmt: skip
-  own = {f[0]: {_mb.WINDOW_SCOPE: "window", _mb.STATS_SCOPE: "statistics"}[m[1]]
+  own = {f[0]: {WINDOW_SCOPE: "window", STATS_SCOPE: "statistics"}[m[1]]
          for f in found if (m := _OWN.search(f[5]))}  # fmt: skip
   out = []
   for name, comp, trips, _, src, line in found:
